@@ -1,0 +1,153 @@
+"""The feature-map abstraction shared by every map in this package.
+
+A feature map φ turns (scaled) queries and keys into features whose dot products estimate
+(or, for learned maps, replace) the softmax kernel ``exp(q·k·scale)``:
+
+    exp(x·y) ≈ φ_q(x)·φ_k(y),   x = q·√scale,  y = k·√scale.
+
+Maps return :class:`Features`: a *bounded* feature tensor plus an optional per-token log scale,
+``φ(x) = phi · exp(log_scale)``. Keeping the (possibly huge) magnitude in log space is what
+lets the attention ops stabilise without breaking the common scale between exact softmax
+scores and feature estimates (see ``hf_rfa.ops``).
+
+Randomness is explicit: projections are buffers drawn from a ``torch.Generator`` seeded from
+``(seed, step)`` by :func:`generator_for`, so every process that builds the same map with the
+same seed, and redraws at the same step, holds identical projections.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class Features(NamedTuple):
+    """Features of a batch of vectors.
+
+    phi:       ``[B, H, N, F]`` float32, bounded in magnitude (≤ ~1).
+    log_scale: ``[B, H, N]`` float32 or ``None`` (= 0): the true feature is ``phi * exp(log_scale)``.
+    """
+
+    phi: torch.Tensor
+    log_scale: torch.Tensor | None
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Compute dtype of the ops: float64 stays float64 (for gradcheck), all else → float32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A stable 63-bit seed from any tuple of ints/strings (same on every process and platform)."""
+    text = ":".join(str(p) for p in parts)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def generator_for(seed: int, step: int) -> torch.Generator:
+    """CPU generator seeded deterministically from ``(seed, step)``."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(derive_seed("hf_rfa", seed, step))
+    return g
+
+
+class FeatureMap(nn.Module):
+    """Base class of all feature maps.
+
+    Subclasses set ``positive`` (all features ≥ 0, so normalisers cannot cross zero) and
+    ``feature_dim`` and implement :meth:`forward_queries` / :meth:`forward_keys`. Random maps
+    implement :meth:`_draw` and get :meth:`redraw` for free. Learned maps have trainable
+    parameters; their random initialisation is also drawn from the seeded generator.
+
+    Args:
+        head_dim: D, the dimension of q and k.
+        num_features: m, the number of random projections (feature dim may be m or 2m).
+        seed: base seed of all randomness in this map.
+        num_heads: query heads for maps with per-head parameters (None: shared over heads).
+        num_kv_heads: key heads for such maps (defaults to ``num_heads``).
+    """
+
+    positive: bool = True
+    #: floor of normalisers (relative to the ops' running stabilisation scale)
+    eps: float = 1e-20
+    #: True when a learned gate is available (RFA); the ops then call :meth:`log_gate`.
+    has_gate: bool = False
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_features: int,
+        seed: int = 0,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if not isinstance(num_features, int) or num_features <= 0:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if num_heads is not None and num_heads <= 0:
+            raise ValueError(f"num_heads must be a positive int or None, got {num_heads!r}")
+        self.head_dim = head_dim
+        self.num_features = num_features
+        self.seed = int(seed)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        # The redraw step is saved with the checkpoint so that a reloaded map can tell which
+        # projections it holds.
+        self.register_buffer("step", torch.zeros((), dtype=torch.long), persistent=True)
+
+    # ---- randomness -------------------------------------------------------------------------
+    def redraw(self, step: int) -> None:
+        """Draw new projections from the generator seeded by ``(seed, step)``.
+
+        Deterministic: the same ``(seed, step)`` gives the same projections on every process.
+        Maps without randomness only record the step.
+        """
+        self.step.fill_(int(step))
+        with torch.no_grad():
+            self._draw(generator_for(self.seed, int(step)))
+
+    def _draw(self, generator: torch.Generator) -> None:  # pragma: no cover - overridden
+        """Fill random buffers from ``generator`` (no-op for deterministic maps)."""
+
+    # ---- features ---------------------------------------------------------------------------
+    @property
+    def feature_dim(self) -> int:
+        """F, the size of the feature axis."""
+        raise NotImplementedError
+
+    def forward_queries(self, x: torch.Tensor) -> Features:
+        """``x [B, H, N, D]`` (already multiplied by √scale) → :class:`Features` ``[B, H, N, F]``."""
+        raise NotImplementedError
+
+    def forward_keys(self, x: torch.Tensor) -> Features:
+        """``x [B, Hkv, N, D]`` (already multiplied by √scale) → :class:`Features`."""
+        raise NotImplementedError
+
+    def log_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For gated maps: ``(log g, log(1-g))`` each ``[B, Hkv, N]`` from keys ``x``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, is_query: bool = True) -> Features:
+        return self.forward_queries(x) if is_query else self.forward_keys(x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, num_features={self.num_features}, "
+            f"feature_dim={self.feature_dim}, seed={self.seed}"
+        )
+
+
+def per_head(param: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Broadcast a parameter stored per head ``[h, ...]`` (h ∈ {1, H}) to ``[1, H, 1, ...]``.
+
+    Raises ValueError when the input has a head count the parameter cannot serve.
+    """
+    if param.shape[0] not in (1, num_heads):
+        raise ValueError(
+            f"feature map has parameters for {param.shape[0]} heads but the input has {num_heads} heads"
+        )
+    return param.unsqueeze(0).unsqueeze(2)

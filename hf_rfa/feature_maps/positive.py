@@ -1,0 +1,115 @@
+"""Positive random features for the softmax kernel.
+
+``positive`` / ``favor+`` (Choromanski et al. 2021, "Rethinking Attention with Performers"):
+
+    φ(x) = exp(ωᵀx − ‖x‖²/2) / √m,   E[φ(x)·φ(y)] = exp(x·y)
+
+with i.i.d. Gaussian ω (``positive``) or block-orthogonal ω (``favor+``).
+
+``favor++`` (Likhosherstov et al. 2022, "Chefs' Random Tables", optimised positive random
+features, OPRF): φ(x) = (1−4A)^{d/4} exp(A‖ω‖² + √(1−4A)·ωᵀx − ‖x‖²/2) / √m, also unbiased for
+any A < 1/8, with the variance-minimising
+
+    A* = (1 − 2ρ − √((2ρ+1)² + 8ρ)) / 16,   ρ = mean ‖x_i + y_j‖² / d.
+
+ρ is a buffer: set it from data with :meth:`FavorPlusPlus.calibrate` (conversion does this on
+calibration text); the default ``rho=1.0`` is used otherwise. A is fixed during attention so
+the estimator is streaming-safe.
+
+All features are returned as ``exp(a − max_j a)`` with the per-token max in ``log_scale``
+(detached: the product is unchanged), so they never overflow whatever the input norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import FeatureMap, Features, upcast
+from .random_projections import draw_projection
+from .registry import register_feature_map
+
+
+def _positive_features(a: torch.Tensor) -> Features:
+    """From log-features ``a [B,H,N,m]`` to bounded features and per-token log scale."""
+    c = a.amax(dim=-1).detach()
+    return Features(torch.exp(a - c.unsqueeze(-1)), c)
+
+
+@register_feature_map("positive")
+class PositiveRandomFeatures(FeatureMap):
+    """exp(ωᵀx − ‖x‖²/2)/√m with i.i.d. Gaussian ω (``orthogonal=False`` by default)."""
+
+    positive = True
+    default_orthogonal = False
+
+    def __init__(self, head_dim: int, num_features: int, seed: int = 0, orthogonal: bool | None = None, **kw) -> None:
+        super().__init__(head_dim, num_features, seed, **kw)
+        self.orthogonal = self.default_orthogonal if orthogonal is None else bool(orthogonal)
+        self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
+        self.redraw(0)
+
+    def _draw(self, generator: torch.Generator) -> None:
+        w = draw_projection(self.num_features, self.head_dim, generator, self.orthogonal)
+        self.omega.copy_(w.to(self.omega.device))
+
+    @property
+    def feature_dim(self) -> int:
+        return self.num_features
+
+    def _log_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = upcast(x)
+        proj = x @ self.omega.to(x.dtype).T  # [B,H,N,m]
+        return proj - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
+
+    def forward_queries(self, x: torch.Tensor) -> Features:
+        return _positive_features(self._log_features(x))
+
+    forward_keys = forward_queries
+
+
+@register_feature_map("favor+")
+class FavorPlus(PositiveRandomFeatures):
+    """Performer's FAVOR+: positive features with block-orthogonal projections."""
+
+    default_orthogonal = True
+
+
+@register_feature_map("favor++")
+class FavorPlusPlus(PositiveRandomFeatures):
+    """Optimised positive random features (OPRF / FAVOR++) with a calibrated A."""
+
+    default_orthogonal = True
+
+    def __init__(self, head_dim: int, num_features: int, seed: int = 0, rho: float = 1.0, **kw) -> None:
+        super().__init__(head_dim, num_features, seed, **kw)
+        if rho < 0:
+            raise ValueError(f"rho must be >= 0, got {rho}")
+        self.register_buffer("rho", torch.tensor(float(rho)), persistent=True)
+
+    @staticmethod
+    def optimal_a(rho: torch.Tensor) -> torch.Tensor:
+        """A*(ρ) = (1 − 2ρ − √((2ρ+1)² + 8ρ)) / 16 (≤ 0)."""
+        return (1 - 2 * rho - torch.sqrt((2 * rho + 1) ** 2 + 8 * rho)) / 16
+
+    @torch.no_grad()
+    def calibrate(self, xq: torch.Tensor, xk: torch.Tensor) -> float:
+        """Set ρ = mean_{i,j} ‖x_i + y_j‖² / d from scaled queries/keys ``[..., D]``; returns ρ."""
+        xq = xq.reshape(-1, self.head_dim).double()
+        xk = xk.reshape(-1, self.head_dim).double()
+        mean_pair = xq.pow(2).sum(-1).mean() + xk.pow(2).sum(-1).mean() + 2 * xq.mean(0) @ xk.mean(0)
+        rho = float(mean_pair / self.head_dim)
+        self.rho.fill_(max(rho, 0.0))
+        return rho
+
+    def _log_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = upcast(x)
+        a = self.optimal_a(self.rho.to(x.dtype))
+        w = self.omega.to(x.dtype)
+        proj = (x @ w.T) * torch.sqrt(1 - 4 * a)
+        const = a * w.pow(2).sum(-1) + 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
+        return proj + const - 0.5 * x.pow(2).sum(-1, keepdim=True)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", rho={float(self.rho):.3f}"

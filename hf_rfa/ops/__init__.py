@@ -1,0 +1,30 @@
+"""Pure-PyTorch attention ops (nothing from transformers).
+
+- ``reference``: exact softmax and the quadratic kernelised form (test oracles)
+- ``linear``: bidirectional and chunkwise-parallel causal linear attention on features
+- ``recurrent``: the one-step form with an explicit state (decoding, prefix folding)
+- ``hybrid``: exact softmax over a local window and attention sinks
+- ``partial``: log-space partial results merged under one normaliser
+- ``attention``: ``random_feature_attention``, the public entry point
+"""
+
+from .attention import random_feature_attention
+from .linear import bidirectional_linear, causal_linear, shift_keys
+from .partial import Partial, finalize, merge
+from .recurrent import LinearState, fold, read
+from .reference import quadratic_kernel_attention, softmax_attention
+
+__all__ = [
+    "LinearState",
+    "Partial",
+    "bidirectional_linear",
+    "causal_linear",
+    "finalize",
+    "fold",
+    "merge",
+    "quadratic_kernel_attention",
+    "random_feature_attention",
+    "read",
+    "shift_keys",
+    "softmax_attention",
+]

@@ -1,0 +1,127 @@
+"""``random_feature_attention``: the public entry point over the ops in this package.
+
+Shapes: q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` → ``[B, H, Nq, Dv]``.
+Features, states and sums are float32 (float64 inputs stay float64, for gradcheck); the output
+has q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hybrid import exact_local
+from .linear import bidirectional_linear, causal_linear, shift_keys
+from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
+from .partial import Partial, finalize, merge
+from .recurrent import LinearState
+
+
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def random_feature_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    causal: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Linear-time attention with a feature map, optionally hybrid with exact local attention.
+
+    Args:
+        q: ``[B, H, Nq, D]`` queries.
+        k: ``[B, Hkv, Nk, D]`` keys (H must be a multiple of Hkv: grouped-query attention).
+        v: ``[B, Hkv, Nk, Dv]`` values.
+        feature_map: a :class:`hf_rfa.feature_maps.FeatureMap` with ``head_dim == D``.
+        causal: query i (the last Nq of the Nk positions) sees keys up to its own position.
+        attention_mask: ``[B, Nk]`` padding mask (1/True = real token) or None.
+        window: W exact-softmax keys — causal: the last W keys (incl. itself); bidirectional:
+            keys at distance < W. ``window >= N`` gives exact softmax.
+        sinks: the first S real (non-padded) tokens also get exact softmax weights.
+        scale: logit scale, default ``D ** -0.5``.
+        chunk_size: chunk length of the causal chunkwise-parallel form.
+
+    Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
+    feature state in causal mode; the gate is ignored in bidirectional mode.
+    """
+    b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
+    if getattr(feature_map, "head_dim", d) != d:
+        raise ValueError(f"feature map head_dim={feature_map.head_dim} does not match q/k head dim D={d}")
+    window, sinks = _check_int("window", window), _check_int("sinks", sinks)
+    _check_int("chunk_size", chunk_size, 1)
+    if not causal and window > 0 and nq != nk:
+        raise ValueError(f"a bidirectional window needs Nq == Nk, got Nq={nq}, Nk={nk}")
+    scale = d**-0.5 if scale is None else float(scale)
+    out_dtype = q.dtype
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    km = key_mask_bool(attention_mask, b, nk, q.device)
+    g = h // hkv
+
+    if causal and nq < nk:  # queries are the last Nq positions: align them with their keys
+        q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
+    n = q.shape[2]
+    root = scale**0.5
+    xq = q.to(ct) * root
+    xk = k.to(ct) * root
+    vv = v.to(ct)
+
+    fq = feature_map.forward_queries(xq)
+    fk = feature_map.forward_keys(xk)
+    qf = fq.phi.reshape(b, hkv, g, n, -1)
+    lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
+    kf, lk = fk.phi, fk.log_scale
+
+    if causal and feature_map.has_gate:
+        logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,Nk]
+        if km is not None:
+            logg = logg * km[:, None, :]
+        cum = torch.cumsum(logg, dim=-1)
+        lk = (lk if lk is not None else 0.0) + log1mg - cum
+        lq = (lq if lq is not None else 0.0) + cum[:, :, None, :]
+
+    # keys answered by the feature map: real, not sinks (window handled by shifting below)
+    feat_mask = km
+    if sinks > 0:
+        sm = sink_mask(km, b, nk, sinks, q.device)
+        feat_mask = (km if km is not None else torch.ones_like(sm)) & ~sm
+    if feat_mask is not None:
+        kf = kf * feat_mask[:, None, :, None]
+        if lk is not None:
+            lk = torch.where(feat_mask[:, None, :], lk, torch.full_like(lk, NEG))
+
+    parts: list[Partial] = []
+    if window > 0 or sinks > 0:
+        parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
+    if window < n:
+        if causal:
+            ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
+            ls = shift_keys(lk, window, NEG) if lk is not None else None
+            parts.append(causal_linear(qf, lq, ks, ls, vs, chunk_size)[0])
+        elif window == 0:
+            parts.append(bidirectional_linear(qf, lq, kf, lk, vv))
+        else:  # band: keys s <= t - W (forward pass) and s >= t + W (reversed pass)
+            ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
+            ls = shift_keys(lk, window, NEG) if lk is not None else None
+            parts.append(causal_linear(qf, lq, ks, ls, vs, chunk_size)[0])
+            fl = lambda x, dim: x.flip(dim) if x is not None else None  # noqa: E731
+            kr, vr = shift_keys(fl(kf, 2), window, 0.0), shift_keys(fl(vv, 2), window, 0.0)
+            lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
+            rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
+            parts.append(Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3)))
+    total = parts[0]
+    for p in parts[1:]:
+        total = merge(total, p)
+    out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
+    out = out.reshape(b, h, n, -1)[:, :, n - nq :]
+    return out.to(out_dtype)
+
+
+__all__ = ["random_feature_attention", "LinearState"]

@@ -1,0 +1,59 @@
+"""Input validation and the masks shared by the ops: padding masks, sinks, sentinels."""
+
+from __future__ import annotations
+
+import torch
+
+#: finite stand-in for −∞ in log space (exp(NEG − x) == 0, NEG − NEG == 0, never NaN)
+NEG = -1e30
+
+
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[int, int, int, int, int, int]:
+    """Check shapes; return ``(B, H, Nq, D, Hkv, Nk)``. Raises ValueError naming the problem."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, heads, N, D], got shape {tuple(x.shape)}")
+    b, h, nq, d = q.shape
+    bk, hkv, nk, dk = k.shape
+    if dk != d:
+        raise ValueError(f"head-dim mismatch: q has D={d}, k has D={dk}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in [B, Hkv, Nk]")
+    if bk != b:
+        raise ValueError(f"batch mismatch: q has B={b}, k has B={bk}")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be divisible by key/value heads ({hkv})")
+    if causal and nq > nk:
+        raise ValueError(f"causal attention needs Nq <= Nk (queries are the last Nq keys), got Nq={nq}, Nk={nk}")
+    return b, h, nq, d, hkv, nk
+
+
+def key_mask_bool(attention_mask: torch.Tensor | None, b: int, nk: int, device) -> torch.Tensor | None:
+    """Validate a 2-D padding mask ``[B, Nk]`` (1/True = real token) and return it as bool."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (b, nk):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape [B, Nk] = [{b}, {nk}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    return attention_mask.to(device=device).bool() if attention_mask.dtype != torch.bool else attention_mask.to(device)
+
+
+def sink_mask(key_mask: torch.Tensor | None, b: int, nk: int, sinks: int, device) -> torch.Tensor:
+    """``[B, Nk]`` bool: the first ``sinks`` real (non-padded) tokens of each sequence."""
+    if key_mask is None:
+        return (torch.arange(nk, device=device) < sinks).view(1, nk).expand(b, nk)
+    rank = torch.cumsum(key_mask.long(), dim=-1) - 1
+    return key_mask & (rank < sinks)
+
+
+def sink_positions(key_mask: torch.Tensor | None, b: int, nk: int, sinks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``[B, S]`` (long) of the first S real tokens and whether each exists ``[B, S]``."""
+    sm = sink_mask(key_mask, b, nk, sinks, device)
+    rank = torch.cumsum(sm.long(), dim=-1) - 1  # rank among sinks
+    idx = torch.arange(sinks, device=device).view(1, sinks, 1)
+    hit = sm.unsqueeze(1) & (rank.unsqueeze(1) == idx)  # [B,S,Nk]
+    exists = hit.any(-1)
+    pos = hit.long().argmax(-1)
+    return pos, exists

@@ -1,0 +1,121 @@
+"""Reference twins (test oracles): exact softmax attention and the quadratic kernelised form.
+
+Both are deliberately simple, O(N²) in memory, and written independently of the fast paths in
+``linear.py``/``hybrid.py``. Shapes: q ``[B, H, Nq, D]``, k/v ``[B, Hkv, Nk, D]``; in causal mode
+the queries are the *last* Nq key positions (as with a KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, Hkv, N, D]`` → ``[B, Hkv*groups, N, D]`` (the oracle may materialise repeats)."""
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _positions(nq: int, nk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.arange(nk - nq, nk, device=device).view(-1, 1)
+    s = torch.arange(nk, device=device).view(1, -1)
+    return t, s
+
+
+def _exact_region(nq: int, nk: int, causal: bool, window: int, device) -> torch.Tensor:
+    """``[Nq, Nk]`` bool: keys in the local window of each query (causal: t−W < s ≤ t; else |t−s| < W)."""
+    t, s = _positions(nq, nk, device)
+    if window <= 0:
+        return torch.zeros(nq, nk, dtype=torch.bool, device=device)
+    return ((s <= t) & (s > t - window)) if causal else ((s - t).abs() < window)
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention; padded keys (``attention_mask[b, s] == 0``) get no weight.
+
+    Rows with no visible key give 0. Computed in float32 (float64 stays float64).
+    Returns ``[B, H, Nq, Dv]`` in q's dtype.
+    """
+    b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
+    scale = d**-0.5 if scale is None else scale
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = h // hkv
+    kk, vv = _expand_kv(k.to(ct), g), _expand_kv(v.to(ct), g)
+    scores = (q.to(ct) @ kk.transpose(-1, -2)) * scale  # [B,H,Nq,Nk]
+    allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if causal:
+        t, s = _positions(nq, nk, q.device)
+        allowed = s <= t
+    allowed = allowed.view(1, 1, nq, nk)
+    km = key_mask_bool(attention_mask, b, nk, q.device)
+    if km is not None:
+        allowed = allowed & km.view(b, 1, 1, nk)
+    scores = scores.masked_fill(~allowed, NEG)
+    p = torch.softmax(scores, dim=-1) * allowed
+    return (p @ vv).to(q.dtype)
+
+
+def quadratic_kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    causal: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The quadratic twin of :func:`hf_rfa.random_feature_attention`.
+
+    Builds the full weight matrix ``W[t, s]``: ``exp(scale·q_t·k_s)`` for keys in the local window
+    or among the first ``sinks`` real tokens, ``φ(q_t)·φ(k_s)`` (times the gate's decay, causal
+    gated maps only) for all other visible keys, and normalises all of it by one row sum
+    (floored at ``feature_map.eps`` relative to the row's log-offset). Returns ``[B, H, Nq, Dv]``.
+    """
+    b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
+    scale = d**-0.5 if scale is None else scale
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = h // hkv
+    qs, ks = q.to(ct) * scale**0.5, k.to(ct) * scale**0.5
+    fq, fk = feature_map.forward_queries(qs), feature_map.forward_keys(ks)
+    phi_k = _expand_kv(fk.phi, g)
+    lk = _expand_kv(fk.log_scale, g) if fk.log_scale is not None else torch.zeros(phi_k.shape[:-1], dtype=ct, device=q.device)
+    lq = fq.log_scale if fq.log_scale is not None else torch.zeros(fq.phi.shape[:-1], dtype=ct, device=q.device)
+    dot = fq.phi @ phi_k.transpose(-1, -2)  # [B,H,Nq,Nk], bounded
+    logmag = lq.unsqueeze(-1) + lk.unsqueeze(-2)  # log of the feature magnitudes
+    t, s = _positions(nq, nk, q.device)
+    if causal and feature_map.has_gate:
+        km0 = key_mask_bool(attention_mask, b, nk, q.device)
+        logg, log1mg = feature_map.log_gate(ks)  # [B,Hkv,Nk]
+        if km0 is not None:
+            logg = logg * km0.view(b, 1, nk)
+        cg = _expand_kv(torch.cumsum(logg, dim=-1).unsqueeze(-1), g).squeeze(-1)  # [B,H,Nk]
+        # decay from s to t: exp(G_t − G_s) (1 − g_s)
+        logmag = logmag + cg[..., nk - nq :].unsqueeze(-1) - cg.unsqueeze(-2) + _expand_kv(log1mg.unsqueeze(-1), g).squeeze(-1).unsqueeze(-2)
+    exact = _exact_region(nq, nk, causal, window, q.device).view(1, 1, nq, nk)
+    visible = (s <= t) if causal else torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    visible = visible.view(1, 1, nq, nk)
+    km = key_mask_bool(attention_mask, b, nk, q.device)
+    if km is not None:
+        visible = visible & km.view(b, 1, 1, nk)
+    if sinks > 0:
+        exact = exact | sink_mask(km, b, nk, sinks, q.device).view(b, 1, 1, nk)
+    exact = exact & visible
+    feat = visible & ~exact
+    scores = (qs @ _expand_kv(ks, g).transpose(-1, -2))
+    log_w = torch.where(exact, scores, torch.where(feat, logmag, torch.full_like(scores, NEG)))
+    off = log_w.amax(dim=-1, keepdim=True).detach()
+    w_exact = torch.exp(torch.where(exact, scores - off, torch.full_like(scores, NEG)))
+    w_feat = dot * torch.exp(torch.where(feat, logmag - off, torch.full_like(scores, NEG)))
+    w = w_exact + w_feat
+    den = w.sum(-1, keepdim=True).clamp_min(feature_map.eps)
+    return ((w @ _expand_kv(v.to(ct), g)) / den).to(q.dtype)
