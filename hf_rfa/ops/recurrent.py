@@ -78,3 +78,42 @@ def read(state: LinearState, qf: torch.Tensor, lq: torch.Tensor | None) -> Parti
     if lq is not None:
         ls = ls + lq
     return Partial(num, den, ls)
+
+
+def decay(state: LinearState, log_g: torch.Tensor) -> LinearState:
+    """Gated RFA: multiply the state by g (``log_g [B, Hkv]``) — kept in log space via ``ref``."""
+    return LinearState(state.S, state.z, state.ref + log_g, state.log_gate_sum + log_g)
+
+
+def recurrent_step(
+    state: LinearState,
+    feature_map,
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+) -> tuple[Partial, LinearState]:
+    """One decoding step of pure causal linear attention (no window or sinks).
+
+    xq ``[B, H, 1, D]`` and xk ``[B, Hkv, 1, D]`` already multiplied by √scale, v ``[B, Hkv, 1, Dv]``,
+    key_mask ``[B, 1]`` bool (False: a padding token, which is skipped and does not decay the
+    state). The new key is folded first, then the query reads the state (it sees itself).
+    Returns the Partial for the query ``[B, Hkv, G, 1, ·]`` and the new state.
+    """
+    b, hkv = xk.shape[:2]
+    fq, fk = feature_map.forward_queries(xq), feature_map.forward_keys(xk)
+    g = fq.phi.shape[1] // hkv
+    kf, lk = fk.phi, fk.log_scale
+    if feature_map.has_gate:
+        logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,1]
+        if key_mask is not None:
+            logg = logg * key_mask[:, None, :]
+        state = decay(state, logg[..., 0])
+        lk = (lk if lk is not None else torch.zeros_like(log1mg)) + log1mg
+    if key_mask is not None:
+        kf = kf * key_mask[:, None, :, None]
+        if lk is not None:
+            lk = torch.where(key_mask[:, None, :], lk, torch.full_like(lk, NEG))
+    state = fold(state, kf, lk, v)
+    lq = fq.log_scale.reshape(b, hkv, g, 1) if fq.log_scale is not None else None
+    return read(state, fq.phi.reshape(b, hkv, g, 1, -1), lq), state

@@ -1,0 +1,305 @@
+"""Tests for :mod:`hf_rfa.assets`.
+
+Three kinds of tests:
+
+* synthetic ones (a fake cache in ``tmp_path``): need nothing installed and always run;
+* real-data ones: read the prepared cache (``$HF_RFA_CACHE``, default ``~/.cache/hf_rfa``) and
+  run in well under a second once it exists; they are skipped when it does not (prepare it with
+  ``python -m hf_rfa.assets`` or by running the slow tests);
+* ``@pytest.mark.slow`` ones: install packages / convert / run the real models.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from hf_rfa import assets
+
+
+def _real_cache() -> Path:
+    root = os.environ.get("HF_RFA_CACHE") or os.path.join("~", ".cache", "hf_rfa")
+    return Path(root).expanduser()
+
+
+def _need(relpath: str) -> None:
+    """Skip unless the real cache holds ``relpath`` in the current format."""
+    path = _real_cache() / relpath
+    if assets._read_json(path) is None:
+        pytest.skip(
+            f"{path} not prepared (run `python -m hf_rfa.assets` or the slow tests)"
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Slow: install and prepare (these also fill the cache the fast real-data tests read)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_prepare_wikipedia() -> None:
+    articles = assets.wikipedia_articles()
+    assert len(articles) == 100
+    assert all(len(a) >= assets.MIN_ARTICLE_CHARS for a in articles)
+
+
+@pytest.mark.slow
+def test_prepare_rotten_tomatoes() -> None:
+    data = assets.rotten_tomatoes()
+    assert set(data) == {"train", "test"}
+
+
+@pytest.mark.slow
+def test_minilm_loads() -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    path = assets.minilm_path()
+    model = AutoModel.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "BertModel"
+    assert model.config.num_hidden_layers == 6 and model.config.hidden_size == 384
+    out = model(**tok(["a fine film"], return_tensors="pt"))
+    assert out.last_hidden_state.shape[-1] == 384
+
+
+@pytest.mark.slow
+def test_gpt2_tokenizer_matches_known_ids() -> None:
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    path = assets.gpt2_tokenizer_path()
+    tok = GPT2TokenizerFast.from_pretrained(path)
+    assert len(tok) == 50257 and tok.eos_token_id == 50256
+    assert tok("Hello world").input_ids == [15496, 995]
+    assert tok("Hello, world!").input_ids == [15496, 11, 995, 0]
+    assert tok(" the").input_ids == [262]
+    text = "naïve café 日本語 🤗\t  spaces"
+    assert AutoTokenizer.from_pretrained(path).decode(tok(text).input_ids) == text
+
+
+@pytest.mark.slow
+def test_smollm2_loads_and_has_sane_perplexity() -> None:
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = assets.smollm2_path()
+    start = time.perf_counter()
+    assert assets.smollm2_path() == path
+    assert time.perf_counter() - start < 1.0  # cached
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert getattr(model.config, "quantization_config", None) is None
+    assert (model.config.num_hidden_layers, model.config.hidden_size) == (30, 576)
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (
+        9,
+        3,
+    )
+    ids = tok(assets.wikipedia_split("eval")[2], return_tensors="pt").input_ids[:, :512]
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    assert 5 < math.exp(loss) < 60  # measured ~18.8 on this article
+
+
+# ------------------------------------------------------------------------------------------
+# Fast, nothing installed
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("func", [assets.wikipedia_split, assets.wikipedia_text_file])
+def test_bad_wikipedia_split_raises(func) -> None:
+    with pytest.raises(ValueError) as info:
+        func("validation")
+    message = str(info.value)
+    assert "'validation'" in message
+    for name in ("calibration", "train", "eval"):
+        assert name in message
+
+
+def test_bad_rotten_tomatoes_split_raises() -> None:
+    with pytest.raises(ValueError, match=r"'dev'.*train.*test"):
+        assets.rotten_tomatoes_csv("dev")
+
+
+def test_cache_dir_follows_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_RFA_CACHE", str(tmp_path / "c"))
+    assert assets.cache_dir() == (tmp_path / "c").resolve()
+    assert (tmp_path / "c").is_dir()
+
+
+def test_ensure_package_finds_installed_package_without_pip() -> None:
+    path = assets.ensure_package("not-on-pypi-hopefully", "0.0.0", "json")
+    assert (path / "__init__.py").is_file()
+
+
+def test_ensure_package_rejects_plain_module() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        assets.ensure_package("not-on-pypi-hopefully", "0.0.0", "csv")
+
+
+def test_bytes_to_unicode_is_a_bijection() -> None:
+    table = assets._bytes_to_unicode()
+    assert sorted(table) == list(range(256))
+    assert len(set(table.values())) == 256
+    assert table[ord(" ")] == "Ġ" and table[ord("a")] == "a"
+
+
+def test_bpe_split_respects_rank_limit() -> None:
+    ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"abc": 4}
+    assert assets._bpe_split(ranks, b"abc", 4) == [b"ab", b"c"]
+    assert assets._bpe_split(ranks, b"abc", 3) == [b"a", b"b", b"c"]
+    assert assets._bpe_split(ranks, b"abc", 10) == [b"abc"]
+
+
+def test_strip_wikitext() -> None:
+    pytest.importorskip("mwparserfromhell")
+    raw = (
+        "'''Foo''' ({{IPA|/fu/}}) is a [[bar (thing)|bar]] in [[Baz]].<ref>{{cite web|x=1}}</ref>\n"
+        "[[File:Foo.jpg|thumb|A foo.]]\n\n"
+        "== History ==\n"
+        "It   was {{convert|3|km}} long.\n"
+        "[[Category:Foos]]\n[[de:Foo]]"
+    )
+    assert assets._strip_wikitext(raw) == "Foo is a bar in Baz.\nHistory\nIt was long."
+
+
+def _fake_wikipedia(cache: Path, n: int = 100) -> list[str]:
+    articles = [f"Article {i}. " + "text " * 500 for i in range(n)]
+    path = cache / "wikipedia" / "articles.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        json.dumps(
+            {
+                "format": assets._FORMAT_VERSION,
+                "titles": [f"T{i}" for i in range(n)],
+                "articles": articles,
+            }
+        ),
+        encoding="utf-8",
+    )
+    return articles
+
+
+def test_wikipedia_splits_on_fake_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_RFA_CACHE", str(tmp_path))
+    articles = _fake_wikipedia(tmp_path)
+    assert assets.wikipedia_articles() == articles
+    assert assets.wikipedia_titles()[:2] == ["T0", "T1"]
+    splits = {s: assets.wikipedia_split(s) for s in assets.WIKIPEDIA_SPLITS}
+    assert {s: len(v) for s, v in splits.items()} == {
+        "calibration": 10,
+        "train": 70,
+        "eval": 20,
+    }
+    assert splits["eval"] == [articles[i] for i in range(4, 100, 5)]
+    assert splits["calibration"] == [articles[i] for i in range(0, 100, 10)]
+    assert sorted(sum(splits.values(), [])) == sorted(articles)
+
+    path = assets.wikipedia_text_file("eval")
+    assert path == tmp_path / "wikipedia" / "eval.txt"
+    assert path.read_text(encoding="utf-8") == "\n\n".join(splits["eval"]) + "\n"
+    assert assets.wikipedia_text_file("eval") == path  # cached
+
+
+def test_stale_format_is_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"format": -1}), encoding="utf-8")
+    assert assets._read_json(path) is None
+    path.write_text("{not json", encoding="utf-8")
+    assert assets._read_json(path) is None
+    assert assets._read_json(tmp_path / "missing.json") is None
+
+
+def test_read_rotten_tomatoes_dedupes(tmp_path: Path) -> None:
+    rows = [
+        ("plot", "A plot summary.", "m", "True"),
+        ("fresh", "Great  fun.", "m", "True"),
+        ("rotten", "Dull.", "m", "True"),
+        ("fresh", "Great fun.", "m2", "True"),  # duplicate after whitespace normalising
+        ("fresh", "Mixed.", "m", "True"),
+        ("rotten", "Mixed.", "m3", "True"),  # conflicting labels: dropped
+        ("fresh", 'Says "hi",\nthen leaves.', "m", "True"),
+    ]
+    path = tmp_path / "rt.csv.bz2"
+    with bz2.open(path, "wt", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["category", "text", "movie_name", "has_plot_and_reviews"])
+        writer.writerows(rows)
+    assert assets._read_rotten_tomatoes(path) == [
+        {"text": "Great fun.", "label": 1},
+        {"text": "Dull.", "label": 0},
+        {"text": 'Says "hi", then leaves.', "label": 1},
+    ]
+
+
+def test_publish_dir_keeps_winner(tmp_path: Path) -> None:
+    final = tmp_path / "final"
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d in (first, second):
+        d.mkdir()
+        (d / "config.json").write_text(d.name)
+    assert assets._publish_dir(first, final) == final
+    assert assets._publish_dir(second, final) == final  # lost the race: discarded
+    assert (final / "config.json").read_text() == "a" and not second.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# Fast once the real cache exists
+# ------------------------------------------------------------------------------------------
+
+
+def test_real_wikipedia_splits_disjoint_and_deterministic() -> None:
+    _need("wikipedia/articles.json")
+    articles = assets.wikipedia_articles()
+    assert len(articles) == 100
+    assert len(set(articles)) == 100
+    splits = {s: assets.wikipedia_split(s) for s in assets.WIKIPEDIA_SPLITS}
+    assert [len(splits[s]) for s in assets.WIKIPEDIA_SPLITS] == [10, 70, 20]
+    sets = {s: set(v) for s, v in splits.items()}
+    assert not sets["eval"] & sets["train"]
+    assert not sets["eval"] & sets["calibration"]
+    assert not sets["train"] & sets["calibration"]
+    assert set().union(*sets.values()) == set(articles)
+    for s in assets.WIKIPEDIA_SPLITS:
+        assert assets.wikipedia_split(s) == splits[s]
+    titles = assets.wikipedia_titles()
+    assert titles[0] == "Anarchism" and len(titles) == 100
+    assert sum(map(len, articles)) > 2_500_000
+    assert all("[[" not in a and "{{" not in a and "<ref" not in a for a in articles)
+
+
+def test_real_wikipedia_text_files() -> None:
+    _need("wikipedia/articles.json")
+    for split in assets.WIKIPEDIA_SPLITS:
+        text = assets.wikipedia_text_file(split).read_text(encoding="utf-8")
+        assert text.rstrip("\n").split("\n\n") == assets.wikipedia_split(split)
+
+
+def test_real_rotten_tomatoes() -> None:
+    _need("rotten_tomatoes/rotten_tomatoes.json")
+    data = assets.rotten_tomatoes()
+    train, test = data["train"], data["test"]
+    n = len(train) + len(test)
+    assert 12_000 < n < 12_808
+    assert abs(len(test) / n - 0.1) < 0.01
+    texts_train = {ex["text"] for ex in train}
+    texts_test = {ex["text"] for ex in test}
+    assert len(texts_train) == len(train) and len(texts_test) == len(test)
+    assert not texts_train & texts_test
+    assert {ex["label"] for ex in train} == {0, 1} == {ex["label"] for ex in test}
+    assert assets.rotten_tomatoes() == data  # deterministic
+    for split in assets.RT_SPLITS:
+        with open(assets.rotten_tomatoes_csv(split), encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [{"text": r["text"], "label": int(r["label"])} for r in rows] == data[
+            split
+        ]

@@ -1,0 +1,12 @@
+"""The one tolerance table of the test suite (relative errors unless noted)."""
+
+#: fast path vs its reference twin, float32 (oracle chain: chunked = quadratic = recurrent)
+ORACLE_FP32 = 1e-5
+#: hybrid with window >= N vs exact softmax, float32
+SOFTMAX_FP32 = 1e-5
+#: gradients of the fast path vs the reference twin, float32 (relative RMS)
+GRAD_FP32 = 1e-4
+#: bf16/fp16 inputs vs the fp32 computation (relative, dominated by input rounding)
+LOW_PRECISION = 3e-2
+#: converted model with window >= N vs the original model (absolute, logits)
+PLUMBING_LOGITS = 1e-4
