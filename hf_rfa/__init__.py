@@ -6,21 +6,45 @@ Public API::
     fm = hf_rfa.build_feature_map("favor+", head_dim=64, num_features=256, seed=0)
     out = hf_rfa.random_feature_attention(q, k, v, fm, causal=True, window=0, sinks=0)
     ref = hf_rfa.softmax_attention(q, k, v, causal=True)
+
+    model = hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="favor+", num_features=256))
+    model.save_pretrained("out"); model = hf_rfa.from_pretrained("out", AutoModelForCausalLM)
 """
 
+from .config import RFAConfig
 from .feature_maps import FeatureMap, Features, available_feature_maps, build_feature_map, register_feature_map
 from .ops import LinearState, quadratic_kernel_attention, random_feature_attention, softmax_attention
 
 __version__ = "0.1.0"
 
+
+def _register_with_transformers() -> None:
+    try:
+        from .attention import register
+    except ImportError:  # transformers not installed: the ops still work
+        return
+    register()
+
+
+_register_with_transformers()
+
+from .convert import convert, feature_maps, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
+
 __all__ = [
     "FeatureMap",
     "Features",
     "LinearState",
+    "RFAConfig",
     "available_feature_maps",
     "build_feature_map",
+    "convert",
+    "feature_maps",
+    "find_attention_modules",
+    "from_pretrained",
     "quadratic_kernel_attention",
     "random_feature_attention",
+    "redraw",
     "register_feature_map",
+    "rfa_config_of",
     "softmax_attention",
 ]

@@ -1,0 +1,74 @@
+"""``RFAConfig``: how a model's attention is replaced (a dataclass, validated on construction)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from .feature_maps import available_feature_maps
+
+#: attribute of ``model.config`` that carries the RFA settings through save/load/push_to_hub
+CONFIG_ATTR = "rfa_config"
+
+
+@dataclass
+class RFAConfig:
+    """Settings of random feature attention for a converted model.
+
+    Stored as a dict in ``model.config.rfa_config`` so it travels with ``save_pretrained`` and
+    ``push_to_hub``. Invalid values raise ``ValueError`` naming the field.
+    """
+
+    feature_map: str = field(default="favor+", metadata={"help": f"one of {available_feature_maps()}"})
+    num_features: int = field(default=256, metadata={"help": "m, random projections / learned features per head"})
+    window: int = field(default=0, metadata={"help": "exact-softmax local window W (0: none; >= N: exact softmax)"})
+    sinks: int = field(default=0, metadata={"help": "first S real tokens always attended exactly (attention sinks)"})
+    gate: bool = field(default=False, metadata={"help": "learned decay gate (feature_map='rfa', causal layers only)"})
+    seed: int = field(default=0, metadata={"help": "base seed; layer l draws from (seed, l, redraw step)"})
+    redraw_interval: int = field(default=0, metadata={"help": "redraw projections every N optimizer steps (0: never)"})
+    layers: list[int] | None = field(default=None, metadata={"help": "indices of layers to convert (None: all)"})
+    chunk_size: int = field(default=64, metadata={"help": "chunk length of the causal chunkwise-parallel form"})
+    per_head: bool = field(default=True, metadata={"help": "learned maps: separate parameters per head"})
+    feature_map_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra options of the map"})
+
+    def __post_init__(self) -> None:
+        names = available_feature_maps()
+        if self.feature_map not in names:
+            raise ValueError(f"feature_map must be one of {names}, got {self.feature_map!r}")
+        for name, minimum in (("num_features", 1), ("window", 0), ("sinks", 0), ("redraw_interval", 0), ("chunk_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.gate, bool):
+            raise ValueError(f"gate must be a bool, got {self.gate!r}")
+        if self.gate and self.feature_map != "rfa":
+            raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not all(isinstance(i, int) and i >= 0 for i in self.layers):
+                raise ValueError(f"layers must be None or a list of layer indices >= 0, got {self.layers!r}")
+            self.layers = sorted(set(self.layers))
+        if not isinstance(self.feature_map_options, dict):
+            raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
+        reserved = {"head_dim", "num_features", "seed", "num_heads", "num_kv_heads", "gate"} & set(self.feature_map_options)
+        if reserved:
+            raise ValueError(f"feature_map_options may not set {sorted(reserved)}: use the RFAConfig fields")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RFAConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown RFAConfig fields {sorted(unknown)}; valid fields: {sorted(known)}")
+        return cls(**d)
+
+    def converts_layer(self, layer_idx: int) -> bool:
+        return self.layers is None or layer_idx in self.layers
