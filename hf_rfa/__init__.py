@@ -30,17 +30,29 @@ _register_with_transformers()
 
 from .convert import convert, feature_maps, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
 
+try:  # with transformers: generate() of a converted model defaults to the constant-memory RFACache
+    from .cache import RFACache, RFACacheLayer, install_generate_hook  # noqa: E402
+except ImportError:  # transformers not installed
+    pass
+else:
+    install_generate_hook()
+from .export import export, push_to_hub  # noqa: E402
+
 __all__ = [
     "FeatureMap",
     "Features",
     "LinearState",
+    "RFACache",
+    "RFACacheLayer",
     "RFAConfig",
     "available_feature_maps",
     "build_feature_map",
     "convert",
+    "export",
     "feature_maps",
     "find_attention_modules",
     "from_pretrained",
+    "push_to_hub",
     "quadratic_kernel_attention",
     "random_feature_attention",
     "redraw",
