@@ -5,20 +5,39 @@ grouped-query attention without materialising repeated K/V), ``kf [B, Hkv, N, F]
 for keys that must not contribute), ``v [B, Hkv, N, Dv]``, and optional log scales ``lq
 [B, Hkv, G, N]``, ``lk [B, Hkv, N]`` (NEG for skipped keys). Outputs are :class:`Partial`s.
 
-Causal form (chunk size C): within a chunk the product ``(φq φkᵀ ⊙ causal) v`` is exact; across
-chunks a prefix state (``recurrent.LinearState``) carries ``Σ φ(k) vᵀ`` and ``Σ φ(k)``. Memory is
-O(N·F + C²) per head, never N×N. Stabilisation is streaming-safe: each query's scale is the
-running maximum of key log scales up to and including that query (``cummax``), so no output
-depends on later tokens, even through a max.
+Causal form (chunk size C): within a chunk the product ``(φq φkᵀ ⊙ causal ⊙ decay) v`` is exact;
+across chunks a prefix state carries ``Σ φ(k) vᵀ`` and ``Σ φ(k)`` (kept together as one
+``[F, Dv+1]`` matrix: v with a column of ones appended, so numerator and denominator come out of
+the same matmuls). The sequence is processed in *blocks* of several chunks (``block_size``
+tokens): all chunks of a block are one batched matmul, and the states entering each chunk of the
+block are one small matmul of a ``[L+1, L]`` decay matrix with the per-chunk state increments
+(no Python loop per chunk). Memory is O(N·F + block·(C + F·Dv/C)) per head, never N×N.
+
+Stabilisation is streaming-safe: each query's scale is the running maximum of key log scales up
+to and including that query (``cummax``), chunk states are stored relative to the running max at
+the chunk's last key, and every decay factor is ``exp(earlier max − later max) ≤ 1``; masked
+(future) entries are exact zeros, so no output depends on later tokens, even through a max or
+through rounding.
+
+:func:`causal_feature_attention` is the fused form used by ``random_feature_attention`` for pure
+causal linear attention: it calls the feature map block by block, so the ``[N, F]`` feature
+tensors are never materialised (cache-resident blocks, O(N·Dv) extra memory in inference).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from .masks import NEG
 from .partial import Partial
-from .recurrent import LinearState, fold
+from .recurrent import LinearState
+
+#: tokens per block of the causal form (rounded down to a multiple of the chunk size)
+DEFAULT_BLOCK_SIZE = 512
+
+_Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
 def bidirectional_linear(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Tensor, lk: torch.Tensor | None, v: torch.Tensor) -> Partial:
@@ -38,6 +57,118 @@ def bidirectional_linear(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Te
     return Partial(num, den, ls if lq is None else ls + lq)
 
 
+def _with_ones(v: torch.Tensor) -> torch.Tensor:
+    """``[..., N, Dv]`` → ``[..., N, Dv+1]`` with a trailing column of ones (the denominator)."""
+    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+
+
+def _causal_block(
+    qf: torch.Tensor,
+    lq: torch.Tensor | None,
+    kf: torch.Tensor,
+    lk: torch.Tensor | None,
+    va: torch.Tensor,
+    S: torch.Tensor,
+    ref: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block of T = L·C tokens (T a multiple of ``chunk``) with incoming state ``S [B,Hkv,F,Dv+1]``
+    relative to ``ref [B,Hkv]``. ``lk is None`` means every key has log scale 0 and ``ref >= 0``.
+
+    Returns ``(out [B,Hkv,G,T,Dv+1], ls [B,Hkv,G,T], S', ref')``.
+    """
+    b, hkv, g, t, f = qf.shape
+    c = chunk
+    nc = t // c
+    dv1 = va.shape[-1]
+    q = qf.reshape(b, hkv, g, nc, c, f)
+    k = kf.reshape(b, hkv, nc, c, f)
+    vc = va.reshape(b, hkv, nc, c, dv1)
+    dev = qf.device
+    tril = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+    scores = q @ k.unsqueeze(2).transpose(-1, -2)  # [B,Hkv,G,L,C(t),C(s)]
+    # strictly lower [L+1, L]: row i (< L) gives the state entering chunk i, row L the state after the block
+    lower = torch.ones(nc + 1, nc, dtype=torch.bool, device=dev).tril(-1)
+    if lk is None:
+        a = scores * tril.to(scores.dtype)
+        U = k.transpose(-1, -2) @ vc  # [B,Hkv,L,F,Dv+1]
+        P = lower.to(U.dtype) @ U.reshape(b, hkv, nc, f * dv1) + S.reshape(b, hkv, 1, f * dv1)
+        inter = q @ P[:, :, :nc].reshape(b, hkv, 1, nc, f, dv1)
+        out = (inter + a @ vc.unsqueeze(2)).reshape(b, hkv, g, t, dv1)
+        ls = ref[:, :, None, None].expand(b, hkv, g, t)
+        return out, ls, P[:, :, nc].reshape(b, hkv, f, dv1), ref
+    mt = torch.maximum(torch.cummax(lk, dim=-1).values, ref.unsqueeze(-1)).detach()  # [B,Hkv,T]
+    mtc = mt.reshape(b, hkv, nc, c)
+    lkc = lk.reshape(b, hkv, nc, c)
+    r_end = mtc[..., -1]  # [B,Hkv,L]: reference of each chunk's state (max at its last key)
+    r_in = torch.cat([ref.unsqueeze(-1), r_end[..., :-1]], dim=-1)  # state entering chunk i
+    # intra-chunk decay exp(lk_s − mt_t) ≤ 1 for s ≤ t, exact 0 above the diagonal
+    logd = lkc.unsqueeze(-2) - mtc.unsqueeze(-1)  # [B,Hkv,L,C(t),C(s)]
+    d = torch.exp(torch.where(tril, logd, torch.full_like(logd, NEG)))
+    a = scores * d.unsqueeze(2)
+    # per-chunk increments relative to their own chunk-end reference
+    wk = torch.exp(lkc - r_end.unsqueeze(-1)).unsqueeze(-1) * k  # [B,Hkv,L,C,F]
+    U = wk.transpose(-1, -2) @ vc  # [B,Hkv,L,F,Dv+1]
+    r_rows = torch.cat([r_in, r_end[..., -1:]], dim=-1)  # [B,Hkv,L+1]
+    logD = r_end.unsqueeze(-2) - r_rows.unsqueeze(-1)  # [B,Hkv,L+1,L]
+    D = torch.exp(torch.where(lower, logD, torch.full_like(logD, NEG)))
+    carry = torch.exp(ref.unsqueeze(-1) - r_rows)  # [B,Hkv,L+1]
+    P = D @ U.reshape(b, hkv, nc, f * dv1) + carry.unsqueeze(-1) * S.reshape(b, hkv, 1, f * dv1)
+    inter = q @ P[:, :, :nc].reshape(b, hkv, 1, nc, f, dv1)  # [B,Hkv,G,L,C,Dv+1]
+    scale = torch.exp(r_in.unsqueeze(-1) - mtc)  # [B,Hkv,L,C] ≤ 1
+    out = inter * scale[:, :, None, :, :, None] + a @ vc.unsqueeze(2)
+    out = out.reshape(b, hkv, g, t, dv1)
+    ls = mt.unsqueeze(2).expand(b, hkv, g, t)
+    return out, ls, P[:, :, nc].reshape(b, hkv, f, dv1), r_end[..., -1]
+
+
+def _causal_scan(
+    get: Callable[[int, int], _Block],
+    n: int,
+    state: LinearState,
+    scaled: bool,
+    chunk_size: int,
+    block_size: int | None,
+) -> tuple[Partial, LinearState]:
+    """Run :func:`_causal_block` over ``[0, n)``; ``get(t0, t1)`` returns that range's
+    ``(qf, lq, kf, lk, v)``. ``scaled``: whether ``lk`` is given (else all key log scales are 0)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    bs = DEFAULT_BLOCK_SIZE if block_size is None else int(block_size)
+    if bs <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    bs = max(chunk_size, bs - bs % chunk_size)
+    S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1)  # [B,Hkv,F,Dv+1]
+    ref = state.ref
+    if not scaled:  # unscaled features: everything at log scale 0
+        new_ref = ref.clamp_min(0.0)
+        S, ref = S * torch.exp(ref - new_ref)[..., None, None], new_ref
+    outs, lss, lqs = [], [], []
+    t0 = 0
+    while t0 < n:
+        t1 = min(n, t0 + bs)
+        full = (t1 - t0) // chunk_size * chunk_size
+        c = chunk_size
+        if full == 0:  # a short last chunk: one chunk of its own length
+            full, c = t1 - t0, t1 - t0
+        t1 = t0 + full
+        qf, lq, kf, lk, v = get(t0, t1)
+        if not scaled:
+            lk = None
+        out, ls, S, ref = _causal_block(qf, lq, kf, lk, _with_ones(v.to(qf.dtype)), S, ref, c)
+        outs.append(out)
+        lss.append(ls)
+        lqs.append(lq)
+        t0 = t1
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    ls = lss[0] if len(lss) == 1 else torch.cat(lss, dim=-1)
+    if lqs and lqs[0] is not None:
+        ls = ls + (lqs[0] if len(lqs) == 1 else torch.cat(lqs, dim=-1))
+    dv = out.shape[-1] - 1
+    part = Partial(out[..., :dv], out[..., dv], ls)
+    return part, LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+
+
 def causal_linear(
     qf: torch.Tensor,
     lq: torch.Tensor | None,
@@ -46,58 +177,83 @@ def causal_linear(
     v: torch.Tensor,
     chunk_size: int = 64,
     state: LinearState | None = None,
+    *,
+    block_size: int | None = None,
 ) -> tuple[Partial, LinearState]:
     """Causal linear attention, query t sees keys s ≤ t (plus everything folded into ``state``).
 
     Any N (the last chunk may be short). Returns the Partial for all N queries and the state
-    after the last key (for decoding or the next segment).
+    after the last key (for decoding or the next segment). ``block_size``: tokens per batched
+    block (default :data:`DEFAULT_BLOCK_SIZE`; bounds the working set, not the result).
     """
     b, hkv, g, n, f = qf.shape
     dv = v.shape[-1]
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if state is None:
         state = LinearState.zeros(b, hkv, f, dv, device=qf.device, dtype=qf.dtype)
-    S, z, ref = state.S, state.z, state.ref
-    if lk is None:  # unscaled features: everything at log scale 0
-        new_ref = ref.clamp_min(0.0)
-        old = torch.exp(ref - new_ref)
-        S, z, ref = S * old[..., None, None], z * old[..., None], new_ref
-    nums, dens, lss = [], [], []
-    tril_full = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=qf.device).tril()
-    for c0 in range(0, n, chunk_size):
-        c1 = min(n, c0 + chunk_size)
-        qc, kc, vc = qf[:, :, :, c0:c1], kf[:, :, c0:c1], v[:, :, c0:c1]
-        tril = tril_full[: c1 - c0, : c1 - c0]
-        scores = qc @ kc.unsqueeze(2).transpose(-1, -2)  # [B,Hkv,G,C,C]
-        if lk is None:
-            a = scores.masked_fill(~tril, 0.0)
-            num = qc @ S.unsqueeze(2) + a @ vc.unsqueeze(2)
-            den = (qc * z[:, :, None, None, :]).sum(-1) + a.sum(-1)
-            lss.append(ref[:, :, None, None].expand(den.shape))
-            S = S + kc.transpose(-1, -2) @ vc
-            z = z + kc.sum(-2)
-        else:
-            lkc = lk[:, :, c0:c1]
-            mt = torch.maximum(torch.cummax(lkc, dim=-1).values, ref.unsqueeze(-1)).detach()  # [B,Hkv,C]
-            inter = torch.exp(ref.unsqueeze(-1) - mt)  # [B,Hkv,C]
-            logd = lkc.unsqueeze(-2) - mt.unsqueeze(-1)  # [B,Hkv,C(t),C(s)]
-            d = torch.exp(torch.where(tril, logd, torch.full_like(logd, NEG)))
-            a = scores * d.unsqueeze(2)
-            num = (qc @ S.unsqueeze(2)) * inter[:, :, None, :, None] + a @ vc.unsqueeze(2)
-            den = (qc * z[:, :, None, None, :]).sum(-1) * inter.unsqueeze(2) + a.sum(-1)
-            lss.append(mt.unsqueeze(2).expand(den.shape))
-            new_ref = mt[..., -1]
-            old = torch.exp(ref - new_ref)
-            w = torch.exp(lkc - new_ref.unsqueeze(-1)).unsqueeze(-1) * kc
-            S = S * old[..., None, None] + w.transpose(-1, -2) @ vc
-            z = z * old[..., None] + w.sum(-2)
-            ref = new_ref
-        nums.append(num)
-        dens.append(den)
-    ls = torch.cat(lss, dim=-1)
-    out = Partial(torch.cat(nums, dim=-2), torch.cat(dens, dim=-1), ls if lq is None else ls + lq)
-    return out, LinearState(S, z, ref, state.log_gate_sum)
+
+    def get(t0: int, t1: int) -> _Block:
+        return (
+            qf[:, :, :, t0:t1],
+            lq[..., t0:t1] if lq is not None else None,
+            kf[:, :, t0:t1],
+            lk[..., t0:t1] if lk is not None else None,
+            v[:, :, t0:t1],
+        )
+
+    return _causal_scan(get, n, state, lk is not None, chunk_size, block_size)
+
+
+def causal_feature_attention(
+    feature_map,
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    lq_add: torch.Tensor | None = None,
+    lk_add: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state: LinearState | None = None,
+    block_size: int | None = None,
+) -> tuple[Partial, LinearState]:
+    """Fused features + causal linear attention: the feature map is applied block by block.
+
+    xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (already multiplied by √scale), v ``[B, Hkv, N, Dv]``,
+    key_mask ``[B, N]`` bool (False: key skipped) or None, optional log-scale offsets added to the
+    features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
+    computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
+    masking, and calling :func:`causal_linear`, but never holds ``[N, F]`` features. Requires a
+    per-token feature map (every map in this package is).
+    """
+    b, h, n, _ = xq.shape
+    hkv = xk.shape[1]
+    g = h // hkv
+    fdim, dv = feature_map.feature_dim, v.shape[-1]
+    if n == 0:
+        raise ValueError("causal_feature_attention needs N >= 1")
+    probe_k = feature_map.forward_keys(xk[:, :, :1])
+    scaled = probe_k.log_scale is not None or lk_add is not None
+    dtype = probe_k.phi.dtype
+    if state is None:
+        state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=dtype)
+
+    def get(t0: int, t1: int) -> _Block:
+        fq = feature_map.forward_queries(xq[:, :, t0:t1])
+        fk = feature_map.forward_keys(xk[:, :, t0:t1])
+        qf = fq.phi.reshape(b, hkv, g, t1 - t0, -1)
+        lq = fq.log_scale.reshape(b, hkv, g, t1 - t0) if fq.log_scale is not None else None
+        kf, lk = fk.phi, fk.log_scale
+        if lq_add is not None:
+            lq = lq_add[..., t0:t1] if lq is None else lq + lq_add[..., t0:t1]
+        if lk_add is not None:
+            lk = lk_add[..., t0:t1] if lk is None else lk + lk_add[..., t0:t1]
+        if key_mask is not None:
+            km = key_mask[:, None, t0:t1]
+            kf = kf * km.unsqueeze(-1)
+            if lk is not None:
+                lk = torch.where(km, lk, torch.full_like(lk, NEG))
+        return qf, lq, kf, lk, v[:, :, t0:t1]
+
+    return _causal_scan(get, n, state, scaled, chunk_size, block_size)
 
 
 def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
