@@ -268,15 +268,11 @@ def modeling_source(model_class: type, rfa_config: RFAConfig) -> str:
 mask functions; the projections and learned feature-map parameters then load from the checkpoint.
 """
 
-import logging
-
 {_base_import(model_class)}
 
 from .{att} import ATTN_NAME, register
 from .{cfg} import CONFIG_ATTR, RFAConfig
 from .{conv} import convert
-
-logger = logging.getLogger(__name__)
 
 
 class {name}({base}):
@@ -318,7 +314,16 @@ def _check_model(model: nn.Module) -> RFAConfig:
     d = getattr(model.config, CONFIG_ATTR, None)
     if not d:
         raise ValueError(f"model.config has no '{CONFIG_ATTR}': convert the model with hf_rfa.convert before exporting")
-    return RFAConfig.from_dict(dict(d))
+    config = RFAConfig.from_dict(dict(d))
+    from .feature_maps import feature_map_class
+
+    cls = feature_map_class(config.feature_map)
+    if not cls.__module__.startswith(PACKAGE + "."):
+        raise ValueError(
+            f"feature_map={config.feature_map!r} is registered from {cls.__module__}, outside hf_rfa: "
+            "the exported remote code only contains hf_rfa's own feature maps"
+        )
+    return config
 
 
 def _check_tags(tags: Iterable[str]) -> list[str]:
@@ -343,6 +348,7 @@ def export(
     auto_class: str | None = None,
     pipeline_tag: str | None = None,
     license: str | None = None,
+    repo_id: str | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
 ) -> Path:
@@ -359,6 +365,8 @@ def export(
             specific one whose mapping holds the model's class, e.g. ``AutoModelForCausalLM``).
         pipeline_tag: Hub pipeline tag (default: from ``auto_class``).
         license: model card license (e.g. the base model's).
+        repo_id: Hub id used in the card's loading snippets (default: a placeholder).
+        overwrite: replace a non-empty ``out_dir``.
     Raises:
         ValueError: the model is not converted / not a transformers model, ``out_dir`` is not
             empty, or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
@@ -403,7 +411,7 @@ def export(
     card = render_model_card(
         rfa_config, model_class=model_class.__name__, auto_class=autos[0], base_model=base_model,
         metrics=metrics, tags=tags, pipeline_tag=pipeline_tag, license=license,
-        num_parameters=sum(p.numel() for p in model.parameters()),
+        num_parameters=sum(p.numel() for p in model.parameters()), repo_id=repo_id or "<this-repo>",
     )
     (out / "README.md").write_text(card, encoding="utf-8")
     _check_saved_rfa_tensors(model, out)
@@ -448,6 +456,7 @@ def push_to_hub(
         raise ValueError(f"repo_id must be a non-empty string such as 'user/model-rfa', got {repo_id!r}")
     api = HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="hf_rfa_export_") as tmp:
+        export_kwargs.setdefault("repo_id", repo_id)
         folder = export(model, tmp, base_model=base_model, metrics=metrics, tags=tags, overwrite=True, **export_kwargs)
         if create_repo:
             api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

@@ -136,14 +136,17 @@ def render_model_card(
         hybrid.append(f"the first {config.sinks} tokens attended exactly (attention sinks)")
     hybrid_text = (" combined with " + " and ".join(hybrid)) if hybrid else ""
     size = f" ({num_parameters / 1e6:.1f}M parameters)" if num_parameters else ""
+    intro = (
+        f"This checkpoint is {origin}{size} whose softmax self-attention was replaced by **random feature "
+        f"attention** with hf_rfa {__version__}: feature map "
+        f"`{config.feature_map}` with {config.num_features} features per head{hybrid_text}. Attention "
+        "costs linear time and memory in the sequence length. The random projections and any learned "
+        "feature-map parameters are stored in the weights (`*.rfa.feature_map.*`), so outputs are reproducible."
+    )
     body = f"""
 # {title}
 
-This checkpoint is {origin}{size} whose softmax self-attention was replaced by **random feature
-attention** with [hf_rfa](https://pypi.org/project/hf_rfa/) {__version__}: feature map
-`{config.feature_map}` with {config.num_features} features per head{hybrid_text}. Attention costs
-linear time and memory in the sequence length. The random projections and any learned feature-map
-parameters are stored in the weights (`*.rfa.feature_map.*`), so outputs are reproducible.
+{intro}
 
 ## Usage
 
@@ -155,7 +158,7 @@ from transformers import {auto_class}
 model = {auto_class}.from_pretrained("{repo_id}", trust_remote_code=True)
 ```
 
-With hf_rfa installed (`pip install hf_rfa`), no remote code is run:
+With hf_rfa installed, no remote code is run:
 
 ```python
 import hf_rfa

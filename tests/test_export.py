@@ -289,6 +289,20 @@ def test_export_errors(tmp_path):
         export(model, tmp_path / "e", metrics={"ppl": None})
 
 
+def test_export_refuses_feature_maps_from_outside_hf_rfa(tmp_path):
+    from hf_rfa.feature_maps import registry
+    from hf_rfa.feature_maps.learned import EluFeatures
+
+    name = "elu-test-export-outside"
+    hf_rfa.register_feature_map(name)(type("OutsideElu", (EluFeatures,), {"__module__": "my_package.maps"}))
+    try:
+        model = hf_rfa.convert(tiny_model("gpt2"), hf_rfa.RFAConfig(feature_map=name))
+        with pytest.raises(ValueError, match="feature_map"):
+            export(model, tmp_path / "out")
+    finally:
+        registry._REGISTRY.pop(name)
+
+
 def test_push_to_hub_uploads_the_exported_folder():
     model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=8))
     seen = {}
@@ -307,5 +321,6 @@ def test_push_to_hub_uploads_the_exported_folder():
     assert seen["repo_id"] == "me/tiny-llama-rfa" and seen["kwargs"]["repo_type"] == "model"
     assert {"config.json", "model.safetensors", "README.md", MODELING_FILE, "hf_rfa_convert.py"} <= set(seen["files"])
     assert "auto_map" in seen["config"] and "base_model: \"tiny/llama\"" in seen["card"]
+    assert 'from_pretrained("me/tiny-llama-rfa", trust_remote_code=True)' in seen["card"]
     with pytest.raises(ValueError, match="repo_id"):
         push_to_hub(model, "")
