@@ -32,7 +32,6 @@ class ModelArguments:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated LoRA targets (default: the architecture's attention projections)"})
     train_feature_maps: bool = field(default=True, metadata={"help": "with LoRA: train and save the rfa modules (modules_to_save)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward (Accelerate recipe; Trainer has its own flag)"})
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path:
@@ -118,6 +117,7 @@ class LoopArguments:
     """Optimisation, checkpointing and logging of the plain Accelerate loop."""
 
     output_dir: str = field(metadata={"help": "where checkpoints, logs and the final model go"})
+    do_train: bool = field(default=True, metadata={"help": "train (false: only evaluate the starting model)"})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "batch per process per micro-step"})
     per_device_eval_batch_size: int = field(default=16, metadata={"help": "evaluation batch per process"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
@@ -133,6 +133,7 @@ class LoopArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "checkpoint folder to resume from, or 'latest' (newest in output_dir)"})
     logging_steps: int = field(default=1, metadata={"help": "log the loss every N optimizer steps"})
     eval_steps: int = field(default=0, metadata={"help": "evaluate every N optimizer steps (0: only at the end)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward (redraws stay outside forward)"})
     dataloader_drop_last: bool = field(default=False, metadata={"help": "drop the last incomplete global batch of each epoch"})
     save_final_model: bool = field(default=True, metadata={"help": "save_pretrained the result (LoRA merged) to output_dir/final"})
     push_to_hub: bool = field(default=False, metadata={"help": "push the final model to the Hub (needs hub_model_id and network)"})

@@ -138,7 +138,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     model = build_model(model_args, rfa_args, data_args.task, tokenizer, data.label_names)
     if model_args.lora_r:
         model = apply_lora(model, model_args, data_args.task)
-    if model_args.gradient_checkpointing:
+    if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     owner = _unwrapped_config_owner(model)
     rfa_cfg = rfa_config_of(owner)
@@ -153,9 +153,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
 
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
-    max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    max_steps = (args.max_train_steps or args.num_train_epochs * steps_per_epoch) if args.do_train else 0
     # the prepared scheduler steps once per process per optimizer step (as in transformers' examples)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps * accelerator.num_processes, num_training_steps=max_steps * accelerator.num_processes)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps * accelerator.num_processes, num_training_steps=max(max_steps, 1) * accelerator.num_processes)
     scheduler = accelerator.prepare(scheduler)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
@@ -242,7 +242,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         **metrics,
     }
     accelerator.wait_for_everyone()
-    if args.save_final_model:
+    if args.save_final_model and args.do_train:
         final = os.path.join(args.output_dir, "final")
         sharded = str(accelerator.distributed_type) in ("DistributedType.FSDP", "DistributedType.DEEPSPEED", "FSDP", "DEEPSPEED")
         state_dict = accelerator.get_state_dict(model) if sharded else None
