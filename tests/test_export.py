@@ -21,7 +21,46 @@ from safetensors.torch import load_file, save_file
 import hf_rfa
 from hf_rfa.export import MODELING_FILE, bundle_sources, bundled_modules, export, push_to_hub
 from hf_rfa.model_card import metrics_table
-from tiny_models import batch, output_of, tiny_config, tiny_model
+
+VOCAB = 128
+
+
+def tiny_config(family: str):
+    """Tiny configs built in code (Llama with GQA: 4 query heads, 2 KV heads)."""
+    if family == "llama":
+        return tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)
+    if family == "bert":
+        return tf.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, max_position_embeddings=128)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, head: str = "lm"):
+    torch.manual_seed(0)
+    cfg = tiny_config(family)
+    if family == "bert":
+        return tf.BertModel(cfg).eval()
+    return (tf.AutoModelForCausalLM if head == "lm" else tf.AutoModel).from_config(cfg).eval()
+
+
+def batch(family: str, n: int = 20, b: int = 3):
+    """Token ids and a padding mask: left padding for decoders, right padding for BERT."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, VOCAB, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    for i, p in enumerate([0, 5, 11][:b]):
+        if p and family == "bert":
+            mask[i, n - p:] = 0
+        elif p:
+            mask[i, :p] = 0
+    return ids, mask
+
+
+def output_of(family: str, out):
+    return out.last_hidden_state if getattr(out, "last_hidden_state", None) is not None else out.logits
 
 def _perturb_learned(model: torch.nn.Module) -> None:
     """Move learned feature-map parameters away from their init, so only loading can restore them."""
