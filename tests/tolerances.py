@@ -10,3 +10,5 @@ GRAD_FP32 = 1e-4
 LOW_PRECISION = 3e-2
 #: converted model with window >= N vs the original model (absolute, logits)
 PLUMBING_LOGITS = 1e-4
+#: state-cache decoding (prefill + chunks + single tokens) vs one full forward (absolute, logits)
+DECODE_LOGITS = 1e-4

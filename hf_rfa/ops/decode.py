@@ -1,0 +1,307 @@
+"""Incremental causal random feature attention: a constant-size state continued by new tokens.
+
+:func:`continue_attention` takes a :class:`DecodeState` (the past, summarised) and ``n ≥ 1`` new
+tokens and returns their attention output and the new state. It computes exactly what
+``random_feature_attention(causal=True)`` computes for those rows over the whole sequence (up
+to float rounding), with the same hybrid split:
+
+- keys older than the exact window go through the feature map and live only in the linear state
+  ``S = Σ φ(k) vᵀ``, ``z = Σ φ(k)`` (``recurrent.LinearState``; gated maps decay it);
+- the last ``W`` keys/values (the exact window) are kept as they are, with their padding flags;
+- the first ``S`` real tokens (attention sinks) are kept with their positions.
+
+The new tokens and the kept window form one short *local block*: the feature part runs the
+chunkwise-parallel ``causal_linear`` over it starting from the state (keys delayed by ``W``), so a
+long prompt is prefilled in the chunked parallel form and folded into the state on the way; the
+exact part (window band + sinks) is computed for the new queries in chunks. Memory is
+``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
+
+Gated RFA: a kept window key stores its accumulated log decay ``win_decay`` (the sum of the log
+gates since it arrived), so it enters the state with the same weight ``Π g`` the full form gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .linear import causal_linear, shift_keys
+from .masks import NEG
+from .partial import Partial, finalize, merge
+from .recurrent import LinearState
+
+
+@dataclass
+class DecodeState:
+    """The past of one causal layer, summarised (B batch rows, Hkv kv heads, Wc ≤ W kept keys).
+
+    linear:      :class:`LinearState` of every key older than the window (sinks excluded).
+    win_k:       ``[B, Hkv, Wc, D]`` raw keys of the last Wc positions (input dtype).
+    win_v:       ``[B, Hkv, Wc, Dv]`` their values.
+    win_real:    ``[B, Wc]`` bool, the position holds a real (non-padding) token.
+    win_feat:    ``[B, Wc]`` bool, real and not a sink: enters the feature state when evicted.
+    win_decay:   ``[B, Hkv, Wc]`` accumulated log gate since each kept key arrived (0 ungated).
+    sink_k:      ``[B, Hkv, S, D]`` keys of the first S real tokens (zeros where none yet).
+    sink_v:      ``[B, Hkv, S, Dv]`` their values.
+    sink_pos:    ``[B, S]`` long, their absolute positions.
+    sink_exists: ``[B, S]`` bool, the slot is filled.
+    real_count:  ``[B]`` long, real tokens seen so far (ranks new sinks).
+    seen:        positions seen so far, padding included (the sequence length).
+    """
+
+    linear: LinearState
+    win_k: torch.Tensor
+    win_v: torch.Tensor
+    win_real: torch.Tensor
+    win_feat: torch.Tensor
+    win_decay: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_pos: torch.Tensor
+    sink_exists: torch.Tensor
+    real_count: torch.Tensor
+    seen: int = 0
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        value_dim: int,
+        feature_dim: int,
+        sinks: int,
+        dtype: torch.dtype,
+        device=None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> "DecodeState":
+        """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``."""
+        b, h = batch, kv_heads
+        return cls(
+            linear=LinearState.zeros(b, h, feature_dim, value_dim, device=device, dtype=compute_dtype),
+            win_k=torch.zeros(b, h, 0, head_dim, dtype=dtype, device=device),
+            win_v=torch.zeros(b, h, 0, value_dim, dtype=dtype, device=device),
+            win_real=torch.zeros(b, 0, dtype=torch.bool, device=device),
+            win_feat=torch.zeros(b, 0, dtype=torch.bool, device=device),
+            win_decay=torch.zeros(b, h, 0, dtype=compute_dtype, device=device),
+            sink_k=torch.zeros(b, h, sinks, head_dim, dtype=dtype, device=device),
+            sink_v=torch.zeros(b, h, sinks, value_dim, dtype=dtype, device=device),
+            sink_pos=torch.zeros(b, sinks, dtype=torch.long, device=device),
+            sink_exists=torch.zeros(b, sinks, dtype=torch.bool, device=device),
+            real_count=torch.zeros(b, dtype=torch.long, device=device),
+            seen=0,
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state by name (the linear state's under ``linear.*``)."""
+        out = {f"linear.{f.name}": getattr(self.linear, f.name) for f in fields(LinearState)}
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("linear", "seen")})
+        return out
+
+    def map_batch(self, fn) -> "DecodeState":
+        """Apply ``fn`` to the batch axis (dim 0) of every tensor: reorder, select, repeat."""
+        lin = LinearState(*(fn(getattr(self.linear, f.name)) for f in fields(LinearState)))
+        rest = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name not in ("linear", "seen")}
+        return DecodeState(linear=lin, seen=self.seen, **rest)
+
+    def nbytes(self) -> int:
+        """Bytes held by the state (independent of the context length)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def _exact_part(
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    v: torch.Tensor,
+    real: torch.Tensor,
+    q0: int,
+    pos0: int,
+    window: int,
+    sink_k: torch.Tensor | None,
+    sink_v: torch.Tensor | None,
+    sink_pos: torch.Tensor | None,
+    sink_ok: torch.Tensor | None,
+    chunk_size: int,
+) -> Partial:
+    """Exact softmax over the window band and the sinks, for the new queries only.
+
+    xq ``[B, Hkv, G, n, D]`` (local indices ``q0 … q0+n-1``), xk ``[B, Hkv, L, D]``, v
+    ``[B, Hkv, L, Dv]`` and real ``[B, L]`` of the local block (local index i is absolute position
+    ``pos0 + i``); sink_k/v ``[B, Hkv, S, ·]`` (already scaled keys), sink_pos/sink_ok ``[B, S]``.
+    """
+    b, hkv, g, n, _ = xq.shape
+    dev = xq.device
+    nums, dens, lss = [], [], []
+    for a0 in range(0, n, chunk_size):
+        a1 = min(n, a0 + chunk_size)
+        qc = xq[:, :, :, a0:a1]
+        t = torch.arange(q0 + a0, q0 + a1, device=dev).view(-1, 1)  # local query indices [C,1]
+        parts_s, parts_v, parts_ok = [], [], []
+        if window > 0:
+            lo, hi = max(0, q0 + a0 - window + 1), q0 + a1
+            s = torch.arange(lo, hi, device=dev).view(1, -1)
+            band = (s <= t) & (s > t - window)  # [C,K]
+            parts_s.append(qc @ xk[:, :, lo:hi].unsqueeze(2).transpose(-1, -2))  # [B,Hkv,G,C,K]
+            parts_v.append(v[:, :, lo:hi])
+            parts_ok.append(band.unsqueeze(0) & real[:, None, lo:hi])
+        if sink_k is not None:
+            tt = (t.view(1, -1, 1) + pos0)  # absolute query positions [1,C,1]
+            sp = sink_pos.unsqueeze(1)  # [B,1,S]
+            ok = sink_ok.unsqueeze(1) & (sp <= tt)
+            if window > 0:
+                ok = ok & ~(sp > tt - window)
+            parts_s.append(qc @ sink_k.unsqueeze(2).transpose(-1, -2))  # [B,Hkv,G,C,S]
+            parts_v.append(sink_v)
+            parts_ok.append(ok)
+        scores = torch.cat(parts_s, dim=-1)
+        ok = torch.cat(parts_ok, dim=-1)[:, None, None]  # [B,1,1,C,K+S]
+        vals = torch.cat(parts_v, dim=-2)
+        r = torch.where(ok, scores, torch.full_like(scores, NEG)).amax(-1).detach()
+        p = torch.exp(torch.where(ok, scores - r.unsqueeze(-1), torch.full_like(scores, NEG)))
+        nums.append(p @ vals.unsqueeze(2))
+        dens.append(p.sum(-1))
+        lss.append(r)
+    return Partial(torch.cat(nums, dim=-2), torch.cat(dens, dim=-1), torch.cat(lss, dim=-1))
+
+
+def continue_attention(
+    state: DecodeState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    attention_mask: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, DecodeState]:
+    """Causal attention of ``n`` new tokens given the summarised past.
+
+    Args:
+        state: the past (:meth:`DecodeState.empty` before the first token).
+        q: ``[B, H, n, D]`` new queries; k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]`` new keys/values.
+        feature_map: the layer's :class:`~hf_rfa.feature_maps.FeatureMap`.
+        attention_mask: ``[B, n]`` padding mask of the new tokens (1/True = real) or None.
+        window, sinks, scale, chunk_size: as in ``random_feature_attention``.
+    Returns:
+        ``(out [B, H, n, Dv], new_state)``; out has q's dtype.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, n, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[2] != n or v.shape[:3] != k.shape[:3] or k.shape[0] != b or k.shape[-1] != d:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)} (new tokens only)")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be divisible by key/value heads ({hkv})")
+    if state.linear.S.shape[0] != b or state.win_k.shape[1] != hkv:
+        raise ValueError(f"state has batch {state.linear.S.shape[0]} and {state.win_k.shape[1]} kv heads; q has batch {b}, k has {hkv} kv heads")
+    if state.sink_k.shape[2] != sinks:
+        raise ValueError(f"state keeps {state.sink_k.shape[2]} sinks but sinks={sinks}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
+        raise ValueError(f"attention_mask must be [B, n] = [{b}, {n}] for the new tokens, got {tuple(attention_mask.shape)}")
+    scale = d**-0.5 if scale is None else float(scale)
+    root = scale**0.5
+    ct = state.linear.S.dtype
+    g = h // hkv
+    dev = q.device
+    km = torch.ones(b, n, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
+    p0, wc = state.seen, state.win_k.shape[2]
+    pos0 = p0 - wc  # absolute position of local index 0
+
+    # sinks: new real tokens ranked below S join the sink set
+    sink_k, sink_v, sink_pos, sink_exists = state.sink_k, state.sink_v, state.sink_pos, state.sink_exists
+    new_sink = torch.zeros_like(km)
+    if sinks > 0:
+        rank = state.real_count.view(b, 1) + torch.cumsum(km.long(), -1) - 1  # [B,n]
+        new_sink = km & (rank < sinks)
+        hit = new_sink.unsqueeze(1) & (rank.unsqueeze(1) == torch.arange(sinks, device=dev).view(1, -1, 1))  # [B,S,n]
+        filled = hit.any(-1)  # [B,S]
+        idx = hit.long().argmax(-1)  # [B,S]
+        gk = torch.gather(k, 2, idx[:, None, :, None].expand(b, hkv, sinks, d))
+        gv = torch.gather(v, 2, idx[:, None, :, None].expand(b, hkv, sinks, v.shape[-1]))
+        f4 = filled[:, None, :, None]
+        sink_k = torch.where(f4, gk.to(sink_k.dtype), sink_k)
+        sink_v = torch.where(f4, gv.to(sink_v.dtype), sink_v)
+        sink_pos = torch.where(filled, idx + p0, sink_pos)
+        sink_exists = sink_exists | filled
+
+    # the local block: kept window + new tokens
+    lk_raw = torch.cat([state.win_k, k.to(state.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
+    lv_raw = torch.cat([state.win_v, v.to(state.win_v.dtype)], dim=2)
+    real = torch.cat([state.win_real, km], dim=1)  # [B,L]
+    feat = torch.cat([state.win_feat, km & ~new_sink], dim=1)
+    big_l = wc + n
+    xq = q.to(ct) * root
+    xk = lk_raw.to(ct) * root
+    vv = lv_raw.to(ct)
+
+    parts: list[Partial] = []
+    if window > 0 or sinks > 0:
+        xs = sink_k.to(ct) * root if sinks > 0 else None
+        parts.append(_exact_part(
+            xq.reshape(b, hkv, g, n, d), xk, vv, real, wc, pos0, window,
+            xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size,
+        ))
+
+    linear = state.linear
+    cl_total = None
+    win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
+    if p0 + n > window:  # some key is (or was) old enough for the feature part
+        fq = feature_map.forward_queries(xq)
+        fk = feature_map.forward_keys(xk)
+        f = fq.phi.shape[-1]
+        qf = torch.cat([fq.phi.new_zeros(b, h, wc, f), fq.phi], dim=2).reshape(b, hkv, g, big_l, f)
+        lq = None
+        if fq.log_scale is not None:
+            lq = torch.cat([fq.log_scale.new_zeros(b, h, wc), fq.log_scale], dim=2).reshape(b, hkv, g, big_l)
+        kf, lk = fk.phi, fk.log_scale
+        if feature_map.has_gate:
+            logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,L]
+            logg_new = logg[..., wc:] * km[:, None, :]
+            cl = torch.cumsum(logg_new, dim=-1)  # log decay since the last processed token [B,Hkv,n]
+            cl_total = cl[..., -1]
+            # origin: just before the new tokens; kept keys carry their decay so far
+            lk = (lk if lk is not None else 0.0) + log1mg + torch.cat([state.win_decay, -cl], dim=-1)
+            cl_l = torch.cat([cl.new_zeros(b, hkv, wc), cl], dim=-1)
+            lq = (lq if lq is not None else 0.0) + cl_l[:, :, None, :]
+            win_decay = torch.cat([state.win_decay, -cl], dim=-1) + cl_total.unsqueeze(-1)
+        kf = kf * feat[:, None, :, None]
+        if lk is not None:
+            lk = torch.where(feat[:, None, :], lk, torch.full_like(lk, NEG))
+        ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
+        ls = shift_keys(lk, window, NEG) if lk is not None else None
+        part, linear = causal_linear(qf, lq, ks, ls, vs, chunk_size, state=linear)
+        parts.append(Partial(part.num[:, :, :, wc:], part.den[..., wc:], part.log_scale[..., wc:]))
+        if cl_total is not None:
+            linear = LinearState(linear.S, linear.z, linear.ref + cl_total, linear.log_gate_sum + cl_total)
+    elif feature_map.has_gate:  # nothing folded yet, but the kept keys still decay
+        logg, _ = feature_map.log_gate(xk)
+        cl = torch.cumsum(logg[..., wc:] * km[:, None, :], dim=-1)
+        cl_total = cl[..., -1]
+        win_decay = torch.cat([state.win_decay, -cl], dim=-1) + cl_total.unsqueeze(-1)
+        linear = LinearState(linear.S, linear.z, linear.ref + cl_total, linear.log_gate_sum + cl_total)
+
+    total = parts[0]
+    for p in parts[1:]:
+        total = merge(total, p)
+    out = finalize(total, feature_map.eps).reshape(b, h, n, -1).to(q.dtype)
+
+    keep = min(window, big_l)
+    new_state = DecodeState(
+        linear=linear,
+        win_k=lk_raw[:, :, big_l - keep:],
+        win_v=lv_raw[:, :, big_l - keep:],
+        win_real=real[:, big_l - keep:],
+        win_feat=feat[:, big_l - keep:],
+        win_decay=win_decay[..., big_l - keep:],
+        sink_k=sink_k,
+        sink_v=sink_v,
+        sink_pos=sink_pos,
+        sink_exists=sink_exists,
+        real_count=state.real_count + km.long().sum(-1),
+        seen=p0 + n,
+    )
+    return out, new_state
