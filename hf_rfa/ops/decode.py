@@ -26,10 +26,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .linear import causal_linear, shift_keys
+from .linear import causal_linear
 from .masks import NEG
 from .partial import Partial, finalize, merge
-from .recurrent import LinearState
+from .recurrent import LinearState, fold, read
 
 
 @dataclass
@@ -247,41 +247,41 @@ def continue_attention(
         ))
 
     linear = state.linear
-    cl_total = None
     win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
-    if p0 + n > window:  # some key is (or was) old enough for the feature part
-        fq = feature_map.forward_queries(xq)
-        fk = feature_map.forward_keys(xk)
-        f = fq.phi.shape[-1]
-        qf = torch.cat([fq.phi.new_zeros(b, h, wc, f), fq.phi], dim=2).reshape(b, hkv, g, big_l, f)
-        lq = None
-        if fq.log_scale is not None:
-            lq = torch.cat([fq.log_scale.new_zeros(b, h, wc), fq.log_scale], dim=2).reshape(b, hkv, g, big_l)
-        kf, lk = fk.phi, fk.log_scale
-        if feature_map.has_gate:
-            logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,L]
-            logg_new = logg[..., wc:] * km[:, None, :]
-            cl = torch.cumsum(logg_new, dim=-1)  # log decay since the last processed token [B,Hkv,n]
-            cl_total = cl[..., -1]
-            # origin: just before the new tokens; kept keys carry their decay so far
-            lk = (lk if lk is not None else 0.0) + log1mg + torch.cat([state.win_decay, -cl], dim=-1)
-            cl_l = torch.cat([cl.new_zeros(b, hkv, wc), cl], dim=-1)
-            lq = (lq if lq is not None else 0.0) + cl_l[:, :, None, :]
-            win_decay = torch.cat([state.win_decay, -cl], dim=-1) + cl_total.unsqueeze(-1)
-        kf = kf * feat[:, None, :, None]
-        if lk is not None:
-            lk = torch.where(feat[:, None, :], lk, torch.full_like(lk, NEG))
-        ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
-        ls = shift_keys(lk, window, NEG) if lk is not None else None
-        part, linear = causal_linear(qf, lq, ks, ls, vs, chunk_size, state=linear)
-        parts.append(Partial(part.num[:, :, :, wc:], part.den[..., wc:], part.log_scale[..., wc:]))
-        if cl_total is not None:
-            linear = LinearState(linear.S, linear.z, linear.ref + cl_total, linear.log_gate_sum + cl_total)
-    elif feature_map.has_gate:  # nothing folded yet, but the kept keys still decay
-        logg, _ = feature_map.log_gate(xk)
+    cl = None
+    if feature_map.has_gate:  # log decay since the last processed token [B,Hkv,n]; padding never decays
+        logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,L]
         cl = torch.cumsum(logg[..., wc:] * km[:, None, :], dim=-1)
+        # origin: just before the new tokens; kept keys carry the decay they have had so far
+        win_decay = torch.cat([state.win_decay, -cl], dim=-1)
+    # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
+    e = max(0, big_l - window)
+    if e > 0:
+        fq = feature_map.forward_queries(xq)
+        qf = fq.phi.reshape(b, hkv, g, n, -1)
+        lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
+        fk = feature_map.forward_keys(xk[:, :, :e])
+        kf, lk = fk.phi, fk.log_scale
+        if cl is not None:
+            lk = (lk if lk is not None else 0.0) + log1mg[..., :e] + win_decay[..., :e]
+            lq = (lq if lq is not None else 0.0) + cl[:, :, None, :]
+        fe = feat[:, None, :e]
+        kf = kf * fe.unsqueeze(-1)
+        if lk is not None:
+            lk = torch.where(fe, lk, torch.full_like(lk, NEG))
+        early = n - e  # > 0 only while the window is filling (the state is still empty)
+        feats = [read(linear, qf[:, :, :, :early], lq[..., :early] if lq is not None else None)] if early > 0 else []
+        lq_late = lq[..., early:] if lq is not None else None
+        if e == 1:  # one decoding step: fold the evicted key, then read
+            linear = fold(linear, kf, lk, vv[:, :, :1])
+            feats.append(read(linear, qf[:, :, :, early:], lq_late))
+        else:  # prefill / multi-token chunk: chunkwise-parallel form, continued from the state
+            part, linear = causal_linear(qf[:, :, :, early:], lq_late, kf, lk, vv[:, :, :e], chunk_size, state=linear)
+            feats.append(part)
+        parts.append(Partial(*(torch.cat([getattr(p, a) for p in feats], dim=dim) for a, dim in (("num", -2), ("den", -1), ("log_scale", -1)))))
+    if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]
-        win_decay = torch.cat([state.win_decay, -cl], dim=-1) + cl_total.unsqueeze(-1)
+        win_decay = win_decay + cl_total.unsqueeze(-1)
         linear = LinearState(linear.S, linear.z, linear.ref + cl_total, linear.log_gate_sum + cl_total)
 
     total = parts[0]
