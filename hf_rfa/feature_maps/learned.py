@@ -3,7 +3,10 @@
 - ``elu``: elu(x) + 1 (Katharopoulos et al. 2020, "Transformers are RNNs"). Feature dim = D.
 - ``hedgehog``: softmax over features of ``[xW, −xW]`` (Zhang et al. 2024, "The Hedgehog & the
   Porcupine"), W trainable, identity-initialised; separate W for queries and keys, optionally
-  per head. Feature dim = 2m. Used by attention transfer (LoLCATs).
+  per head. Feature dim = 2m. Used by attention transfer (LoLCATs). With ``hybrid_mix=True`` it
+  also learns a per-head log-scale ``mix`` (returned as the queries' ``Features.log_scale``): the
+  weight of the feature part relative to the exact window/sinks of a hybrid (LoLCATs' window
+  factors). It does not change pure linear attention (a per-query constant cancels).
 - ``t2r``: ReLU(xW + b) (Kasai et al. 2021, "Finetuning Pretrained Transformers into RNNs"),
   W initialised from the seeded generator. Feature dim = m.
 """
@@ -61,7 +64,21 @@ class _LearnedProjection(FeatureMap):
 
 @register_feature_map("hedgehog")
 class HedgehogFeatures(_LearnedProjection):
-    """softmax([xW, −xW]) over the feature axis; W identity-initialised (F = 2m)."""
+    """softmax([xW, −xW]) over the feature axis; W identity-initialised (F = 2m).
+
+    Args:
+        hybrid_mix: learn a per-head log-scale of the feature part (``mix [hq]``), returned as
+            the queries' log scale, so a hybrid can weigh feature vs exact (window, sinks) keys.
+        mix_init: initial value of ``mix`` (attention transfer re-initialises it from data).
+    """
+
+    def __init__(self, head_dim: int, num_features: int, seed: int = 0, hybrid_mix: bool = False, mix_init: float = 0.0, **kw) -> None:
+        super().__init__(head_dim, num_features, seed, **kw)
+        if not isinstance(hybrid_mix, bool):
+            raise ValueError(f"hybrid_mix must be a bool, got {hybrid_mix!r}")
+        self.hybrid_mix = hybrid_mix
+        if hybrid_mix:
+            self.mix = nn.Parameter(torch.full((self.weight_q.shape[0],), float(mix_init)))
 
     def _init_weight(self, heads: int) -> torch.Tensor:
         return torch.eye(self.head_dim, self.num_features).unsqueeze(0).repeat(heads, 1, 1)
@@ -75,7 +92,11 @@ class HedgehogFeatures(_LearnedProjection):
         return Features(torch.softmax(torch.cat([p, -p], dim=-1), dim=-1), None)
 
     def forward_queries(self, x: torch.Tensor) -> Features:
-        return self._features(x, self.weight_q)
+        f = self._features(x, self.weight_q)
+        if not self.hybrid_mix:
+            return f
+        mix = per_head(self.mix.to(f.phi.dtype), x.shape[1])  # [1,H,1]
+        return Features(f.phi, mix.expand(f.phi.shape[:-1]))
 
     def forward_keys(self, x: torch.Tensor) -> Features:
         return self._features(x, self.weight_k)
