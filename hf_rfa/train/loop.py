@@ -73,14 +73,14 @@ def _unwrapped_config_owner(model):
 
 
 def check_projections_in_sync(accelerator, model) -> list[str]:
-    """All-gather the projection fingerprint of every process; RuntimeError if they differ."""
+    """All-gather the projection fingerprint (first 240 bits) of every process; RuntimeError if they differ."""
     fp = projection_fingerprint(model)
     code = torch.tensor([int(fp[i : i + 15], 16) for i in range(0, 60, 15)], dtype=torch.int64, device=accelerator.device)
     gathered = accelerator.gather(code).view(accelerator.num_processes, -1).cpu()
     prints = ["".join(f"{int(x):015x}" for x in row) for row in gathered]
     if len(set(prints)) != 1:
         raise RuntimeError(f"random projections differ between processes: {prints}")
-    return prints
+    return [fp if p == fp[:60] else p for p in prints]  # every rank agrees: report the full digest
 
 
 def _param_groups(model, weight_decay: float):

@@ -30,9 +30,14 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
     tokenizer = load_tokenizer(model_args)
     data = prepare(data_args, tokenizer, training_args.main_process_first(desc="dataset preparation"))
     model = build_model(model_args, rfa_args, data_args.task, tokenizer, data.label_names)
+    classification = data_args.task == "classification"
+    if classification:
+        # transformers 5.24: sequence classifiers take **kwargs, so Trainer assumes their loss is
+        # a token sum over num_items_in_batch and multiplies it by the process count; their
+        # loss is a batch mean, so this doubled the loss (and gradient) on 2 processes.
+        model.accepts_loss_kwargs = False
     if model_args.lora_r:
         model = apply_lora(model, model_args, data_args.task)
-    classification = data_args.task == "classification"
     redraw_cb = RedrawCallback()
     trainer = Trainer(
         model=model,
