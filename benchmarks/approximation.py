@@ -22,7 +22,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--maps", nargs="+", default=available_feature_maps())
     p.add_argument("--num-features", nargs="+", type=int, default=[64, 256, 1024])
-    p.add_argument("--logit-stds", nargs="+", type=float, default=[0.1, 0.5, 1.0, 2.0])
+    p.add_argument("--logit-stds", nargs="+", type=float, default=[0.05, 0.1, 0.5, 1.0, 2.0])
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -37,6 +37,7 @@ def main(argv=None) -> None:
         f"Relative error ‖o − o_softmax‖/‖o_softmax‖, bidirectional, d={a.d}, N={a.n}, H={a.heads}, "
         f"mean of {a.draws} seeded draws; q, k Gaussian with the given std of q·k/√d.\n"
         "Learned maps (hedgehog, t2r, elu) and rfa are shown at initialisation: they are not estimators of softmax.\n"
+        "'uniform (baseline)' is plain averaging of the values (every key weight 1/N): an estimator must beat it to be useful.\n"
     )
     report = (
         "## Attention output error\n\n" + head + "\n" + error_table_markdown(rows, "output_error")

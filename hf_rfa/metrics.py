@@ -58,6 +58,11 @@ def approximation_errors(
     rows = []
     jobs = [(s, name, m) for s in logit_stds for name in maps for m in num_features]
     eye = torch.eye(n).expand(1, heads, n, n)
+    for std in logit_stds:  # the trivial baseline: uniform attention (mean of the values)
+        q, k, v = synthetic_qkv(std, n, d, heads)
+        uni = v.mean(-2, keepdim=True).expand_as(v)
+        rows.append(ErrorRow("uniform (baseline)", 0, std, relative_error(uni, softmax_attention(q, k, v, causal=False)),
+                             relative_error(torch.full((1, heads, n, n), 1.0 / n), softmax_attention(q, k, eye, causal=False))))
     for std, name, m in tqdm(jobs, desc="approximation error", disable=not progress):
         q, k, v = synthetic_qkv(std, n, d, heads)
         ref = softmax_attention(q, k, v, causal=False)
@@ -84,5 +89,5 @@ def error_table_markdown(rows: list[ErrorRow], field: str = "output_error") -> s
         for s in stds:
             e = lookup[(name, m, s)]
             cells.append(f"{100 * e:.1f}%" if e < 10 else f"{e:.3g}×")
-        lines.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {m or '–'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
