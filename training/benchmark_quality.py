@@ -45,16 +45,26 @@ class BenchArguments:
     results_file: str = field(default=os.path.join(HERE, "RESULTS.md"), metadata={"help": "markdown file to write"})
     skip_cls: bool = field(default=False, metadata={"help": "skip the classification part"})
     skip_lm: bool = field(default=False, metadata={"help": "skip the SmolLM2 part"})
-    cls_train_samples: int = field(default=1600, metadata={"help": "Rotten Tomatoes training snippets"})
+    jobs: int = field(default=2, metadata={"help": "runs in parallel"})
+    cls_train_samples: int = field(default=640, metadata={"help": "Rotten Tomatoes training snippets"})
     cls_epochs: int = field(default=1, metadata={"help": "epochs over them"})
     cls_batch: int = field(default=16, metadata={"help": "batch size"})
     cls_lr: float = field(default=1e-4, metadata={"help": "learning rate"})
     cls_max_len: int = field(default=48, metadata={"help": "tokens per snippet (truncation)"})
-    lm_block: int = field(default=256, metadata={"help": "tokens per LM block"})
-    lm_steps: int = field(default=30, metadata={"help": "LoRA optimizer steps"})
+    cls_eval_samples: int = field(default=600, metadata={"help": "test snippets evaluated (the first N)"})
+    lm_block: int = field(default=128, metadata={"help": "tokens per LM block"})
+    lm_steps: int = field(default=12, metadata={"help": "LoRA optimizer steps"})
     lm_batch: int = field(default=2, metadata={"help": "LM batch size"})
     lm_lr: float = field(default=5e-4, metadata={"help": "LoRA learning rate"})
-    lm_eval_blocks: int = field(default=32, metadata={"help": "held-out blocks for perplexity"})
+    lm_eval_blocks: int = field(default=12, metadata={"help": "held-out blocks for perplexity"})
+
+
+def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> list[dict]:
+    """Run recipe commands, ``parallel`` at a time; results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        return list(pool.map(lambda job: run(*job), jobs))
 
 
 def run(cmd: list[str], out: str) -> dict:
@@ -85,7 +95,7 @@ def classification(a: BenchArguments) -> tuple[str, list[str]]:
     texts = [ex["text"] for ex in assets.rotten_tomatoes()["test"]]
     lengths = [len(tok(t)["input_ids"]) for t in texts]
     mean_len = sum(lengths) / len(lengths)
-    rows, cmds = [], []
+    jobs, names = [], []
     for name, extra in CLS_VARIANTS.items():
         out = os.path.join(a.output_dir, "cls-" + "".join(c if c.isalnum() else "_" for c in name))
         cmd = [
@@ -93,9 +103,13 @@ def classification(a: BenchArguments) -> tuple[str, list[str]]:
             "--train_file", train_csv, "--validation_file", test_csv, "--max_train_samples", str(a.cls_train_samples),
             "--max_seq_length", str(a.cls_max_len), "--per_device_train_batch_size", str(a.cls_batch), "--per_device_eval_batch_size", "64",
             "--num_train_epochs", str(a.cls_epochs), "--learning_rate", str(a.cls_lr), "--warmup_steps", "10", "--seed", "0",
+            "--max_eval_samples", str(a.cls_eval_samples),
             "--output_dir", out, "--save_final_model", "false", "--disable_tqdm", "true", "--logging_steps", "10", *extra,
         ]
-        res = run(cmd, out)
+        jobs.append((cmd, out))
+        names.append(name)
+    rows, cmds = [], []
+    for name, (cmd, _), res in zip(names, jobs, run_all(jobs, a.jobs)):
         rows.append((name, res["eval_accuracy"], res["eval_loss"], res["final_loss"], res["train_seconds"]))
         cmds.append(_display(cmd))
         logger.info("%s: accuracy %.4f (%.0f s)", name, res["eval_accuracy"], res["train_seconds"])
@@ -103,7 +117,7 @@ def classification(a: BenchArguments) -> tuple[str, list[str]]:
     lines = [
         f"all-MiniLM-L6-v2 (6 layers, 12 heads of dim 32) + a fresh 2-way head, fine-tuned in full on the first "
         f"{a.cls_train_samples} Rotten Tomatoes training snippets for {a.cls_epochs} epoch(s) (batch {a.cls_batch}, lr {a.cls_lr:g}, "
-        f"linear schedule, 10 warm-up steps, seed 0), evaluated on all {len(texts)} test snippets "
+        f"linear schedule, 10 warm-up steps, seed 0), evaluated on the first {min(a.cls_eval_samples, len(texts))} of the {len(texts)} test snippets "
         f"(mean length {mean_len:.1f} tokens, max_seq_length {a.cls_max_len}). Same budget for every row.",
         "",
         "| attention | test accuracy | Δ vs softmax (points) | eval loss | last train loss | train time (s) |",
@@ -135,11 +149,9 @@ def language_model(a: BenchArguments) -> tuple[str, list[str]]:
             "--learning_rate", str(a.lm_lr), "--warmup_steps", "3", "--logging_steps", "5",
         ],
     }
+    jobs = [([*cmd, "--output_dir", os.path.join(a.output_dir, f"lm-{i}")], os.path.join(a.output_dir, f"lm-{i}")) for i, cmd in enumerate(runs.values())]
     rows, cmds = [], []
-    for i, (name, cmd) in enumerate(runs.items()):
-        out = os.path.join(a.output_dir, f"lm-{i}")
-        cmd = [*cmd, "--output_dir", out]
-        res = run(cmd, out)
+    for name, (cmd, _), res in zip(runs, jobs, run_all(jobs, a.jobs)):
         rows.append((name, res["eval_perplexity"], res["eval_loss"], res.get("train_seconds", 0.0) if res["completed_steps"] else 0.0))
         cmds.append(_display(cmd))
         logger.info("%s: perplexity %.2f", name, res["eval_perplexity"])
