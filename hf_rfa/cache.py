@@ -21,14 +21,17 @@ How it plugs in (transformers 5.24):
   ``GenerationMixin._prepare_cache_for_generation`` (:func:`install_generate_hook`). After the
   stock method ran, if the model is converted (``config.rfa_config`` set and
   ``attn_implementation == "rfa"``) and the stock method just built its default ``DynamicCache``
-  (no user cache, ``use_cache`` not False, no ``cache_implementation``, not an assistant model),
-  that cache is replaced by an :class:`RFACache`. Pass ``cache_implementation="dynamic"`` to keep
-  the full K/V cache, ``past_key_values=hf_rfa.RFACache(model)`` to pass one explicitly, and
-  ``use_cache=False`` to recompute everything each step.
+  (no user cache, ``use_cache`` not False, no ``cache_implementation``, not an assistant model,
+  generation mode greedy/sample/beam search/beam sample), that cache is replaced by an
+  :class:`RFACache`. Pass ``cache_implementation="dynamic"`` to keep the full K/V cache,
+  ``cache=hf_rfa.RFACache(model)`` (or the deprecated ``past_key_values=``) to pass one
+  explicitly, and ``use_cache=False`` to recompute everything each step.
 
 Beam search is supported (``reorder_cache``, ``batch_select_indices``,
 ``batch_repeat_interleave``); ``crop`` is not (a recurrent state cannot be rolled back), so
-assisted/speculative decoding keeps the stock cache.
+assisted/speculative decoding (and other modes that crop) keeps the stock cache. A plain
+``model(..., use_cache=True)`` outside generate() still builds transformers' ``DynamicCache``
+(correct, but it grows): pass ``cache=hf_rfa.RFACache(model)`` there.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: key under which a cache layer hands itself to the attention function (see attention.py)
 KWARG = "rfa_cache_layer"
+#: generation modes that get an RFACache by default (the others may roll a cache back: crop)
+DEFAULT_MODES = frozenset({"greedy_search", "sample", "beam_search", "beam_sample"})
 
 
 class RFACacheLayer(CacheLayerMixin):
@@ -236,8 +241,10 @@ def install_generate_hook() -> None:
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        mode = args[0] if args else kwargs.get("generation_mode")
         if (
-            uses_rfa(self)
+            getattr(mode, "value", mode) in DEFAULT_MODES
+            and uses_rfa(self)
             and getattr(generation_config, "cache_implementation", None) is None
             and not getattr(generation_config, "is_assistant", False)
         ):

@@ -7,17 +7,30 @@ forward; generate() with the cache against ``use_cache=False`` (full recomputati
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.configuration_utils import GenerationMode
 
 import hf_rfa
 from hf_rfa.peft_utils import lora_config
 from hf_rfa.cache import RFACacheLayer
 from hf_rfa.ops.decode import DecodeState, continue_attention
 from conftest import rel
+from tiny_models import CAUSAL, tiny_model
+from tiny_models import batch as tiny_batch
 from tolerances import DECODE_LOGITS, ORACLE_FP32
 
 V = 97  # vocabulary of the tiny models
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is faster and steadier on a shared CPU than several."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 SETTINGS = {
     "favor+": dict(feature_map="favor+", num_features=32),
@@ -97,13 +110,6 @@ def _gpt2():
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=1)
     return GPT2LMHeadModel(cfg).eval()
-
-
-def _qwen2():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama}
@@ -190,6 +196,9 @@ def test_explicit_cache_and_opt_outs():
         _, stock = _generated_cache(model, ids, mask, do_sample=False, cache_implementation="dynamic")
     assert out.cache is mine and mine.get_seq_length() == ids.shape[1] + 3
     assert type(stock) is DynamicCache  # explicit opt-out keeps the full K/V cache
+    kwargs = {}  # modes that roll the cache back (assisted decoding) keep the stock cache too
+    model._prepare_cache_for_generation(GenerationConfig(), kwargs, GenerationMode.ASSISTED_GENERATION, 2, 20)
+    assert type(kwargs["cache"]) is DynamicCache
     with pytest.raises(ValueError, match="rfa_config"):
         hf_rfa.RFACache(_llama())
     with pytest.raises(ValueError, match="tokens_to_remove"):
@@ -236,13 +245,16 @@ def test_cache_bytes_independent_of_context():
     assert sizes[0] == sizes[1] > 0
 
 
-def test_qwen2_decodes_with_state_cache():
-    model = _converted(_qwen2, "hybrid")
-    ids, mask = _batch()
+@pytest.mark.parametrize("family", CAUSAL)
+def test_every_causal_family_decodes_with_state_cache(family):
+    """The shared tiny models (Llama, GPT-2, Qwen2, Mistral, Gemma), 3 rows with left padding."""
+    model = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**SETTINGS["hybrid"]))
+    ids, mask = tiny_batch(family, n=12)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        seq, cache = _generated_cache(model, ids, mask, do_sample=False)
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=False)
-    assert isinstance(cache, hf_rfa.RFACache) and torch.equal(seq, ref)
+        out = model.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+        ref = model.generate(input_ids=ids, use_cache=False, **kw)
+    assert isinstance(out.cache, hf_rfa.RFACache) and torch.equal(out.sequences, ref)
 
 
 def test_after_save_load(tmp_path):
