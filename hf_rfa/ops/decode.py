@@ -10,9 +10,10 @@ to float rounding), with the same hybrid split:
 - the last ``W`` keys/values (the exact window) are kept as they are, with their padding flags;
 - the first ``S`` real tokens (attention sinks) are kept with their positions.
 
-The new tokens and the kept window form one short *local block*: the feature part runs the
-chunkwise-parallel ``causal_linear`` over it starting from the state (keys delayed by ``W``), so a
-long prompt is prefilled in the chunked parallel form and folded into the state on the way; the
+The new tokens and the kept window form one short *local block*. Its keys that leave the window
+in this call are folded into the state: one key by ``recurrent.fold`` + ``read`` (a decoding
+step), many by the chunkwise-parallel ``causal_linear`` continued from the state (a long prompt's
+prefill or a multi-token chunk), so each query reads exactly the keys older than its window. The
 exact part (window band + sinks) is computed for the new queries in chunks. Memory is
 ``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
 
@@ -278,7 +279,11 @@ def continue_attention(
         else:  # prefill / multi-token chunk: chunkwise-parallel form, continued from the state
             part, linear = causal_linear(qf[:, :, :, early:], lq_late, kf, lk, vv[:, :, :e], chunk_size, state=linear)
             feats.append(part)
-        parts.append(Partial(*(torch.cat([getattr(p, a) for p in feats], dim=dim) for a, dim in (("num", -2), ("den", -1), ("log_scale", -1)))))
+        parts.append(Partial(
+            torch.cat([p.num for p in feats], dim=-2),
+            torch.cat([p.den for p in feats], dim=-1),
+            torch.cat([p.log_scale for p in feats], dim=-1),
+        ))
     if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]
         win_decay = win_decay + cl_total.unsqueeze(-1)
