@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-lr", type=float, default=1e-3)
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip the untrained baselines")
+    p.add_argument("--no-random-hybrid", dest="random_hybrid", action="store_false", help="skip the random-feature hybrid baseline")
+    p.add_argument("--eval-twin-max", type=int, default=2048, help="evaluate converted models up to this context with the op's quadratic twin (0: never)")
     p.add_argument("--random-num-features", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--push-to-hub", default=None, metavar="ID")

@@ -1,18 +1,63 @@
-"""The main job (README's first command).
+"""The main job (``make main``): convert SmolLM2-135M on a fresh machine without the Hub.
 
-Until the conversion pipeline lands, this prints the approximation-error table of every
-feature map against softmax (``benchmarks/approximation.py`` with a shorter default grid).
+1. prepares the offline assets (:mod:`hf_rfa.assets`): SmolLM2-135M-Instruct from its GGUF,
+   the Wikipedia articles split into disjoint calibration / train / eval files;
+2. converts SmolLM2 to a hybrid (exact window + exact sinks + Hedgehog features with a learned
+   per-head mix) with attention transfer on train articles, then a short LoRA stage;
+3. evaluates perplexity on the held-out eval articles (fixed number of tokens, non-overlapping
+   windows) for: original / random features untrained / random-feature hybrid untrained /
+   Hedgehog hybrid untrained / after attention transfer / after LoRA;
+4. prints the table, a greedy generation sample and the output folder (Hub-ready export).
+
+``--quick`` is a few-minute run (context 512, a few transfer steps, small eval); flags after the
+known ones go to ``conversion/convert.py`` (e.g. ``--transfer-tokens 100000``).
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from approximation import main  # noqa: E402
+DEFAULT = [
+    "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4",
+    "--context", "1024", "--transfer-tokens", "65536", "--transfer-minutes", "12",
+    "--lora-tokens", "4096", "--lora-context", "512", "--lora-minutes", "5",
+    "--eval-contexts", "1024", "--eval-tokens", "8192", "--error-tokens", "1024",
+]
+QUICK = [
+    "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4",
+    "--context", "512", "--transfer-tokens", "4096", "--transfer-minutes", "3",
+    "--lora-tokens", "1024", "--lora-context", "256", "--lora-minutes", "1",
+    "--eval-contexts", "512", "--eval-tokens", "2048", "--error-tokens", "512", "--random-num-features", "128",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few-minute run")
+    p.add_argument("--output", default=os.path.join("out", "smollm2-135m-rfa"))
+    a, rest = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    start = time.time()
+    from hf_rfa import assets
+
+    model = assets.smollm2_path()
+    files = {s: assets.wikipedia_text_file(s) for s in assets.WIKIPEDIA_SPLITS}
+    import convert
+
+    args = (QUICK if a.quick else DEFAULT) + [
+        "--model", str(model), "--output", a.output, "--overwrite",
+        "--calibration-text", str(files["calibration"]), "--train-text", str(files["train"]), "--eval-text", str(files["eval"]),
+    ] + rest
+    convert.main(args)
+    print(f"main job: {(time.time() - start) / 60:.1f} min wall (2 shared CPU cores)")
+
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["--draws", "1", "--num-features", "64", "256"])
+    main()

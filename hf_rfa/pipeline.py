@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ class ConversionConfig:
     lora_lr: float = 1e-3
     lora_r: int = 8
     baselines: bool = field(default=True, metadata={"help": "also evaluate pure random features and the untrained hybrid"})
+    random_hybrid: bool = field(default=True, metadata={"help": "baselines include random features + window + sinks"})
+    eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context with the op's quadratic twin (same math, faster on CPU); 0: never"})
     random_feature_map: str = "favor+"
     random_num_features: int = 256
     generate_prompt: str | None = "The history of the city"
@@ -255,8 +258,11 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
 
     def evaluate(name: str, stage: dict | None = None) -> None:
         for ctx in cfg.eval_contexts:
-            r = evaluation.perplexity(model, ev, ctx, cfg.eval_tokens, progress=cfg.progress, desc=name)
-            row = {"variant": name, "context": ctx, "perplexity": r["perplexity"], "eval_tokens": r["tokens"]}
+            twin = ctx <= cfg.eval_twin_max and getattr(model.config, CONFIG_ATTR, None) is not None
+            transfer.register_train()
+            with calibration.attn_implementation(model, transfer.TRAIN_NAME) if twin else nullcontext():
+                r = evaluation.perplexity(model, ev, ctx, cfg.eval_tokens, progress=cfg.progress, desc=name)
+            row = {"variant": name, "context": ctx, "perplexity": r["perplexity"], "eval_tokens": r["tokens"], "op": "quadratic twin" if twin else "chunked op"}
             if stage:
                 row.update({"train_tokens": stage["tokens"], "train_minutes": stage["minutes"]})
             rows.append(row)
@@ -271,7 +277,7 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
         convert(model, rnd)
         evaluate(f"{rnd.feature_map} m={rnd.num_features}, pure, untrained")
         errors[f"{rnd.feature_map} pure"] = calibration.layer_errors(model, err_batches, progress=cfg.progress)
-        if cfg.window or cfg.sinks:
+        if (cfg.window or cfg.sinks) and cfg.random_hybrid:
             convert(model, RFAConfig.from_dict({**rnd.to_dict(), "window": cfg.window, "sinks": cfg.sinks}))
             evaluate(f"{rnd.feature_map} m={rnd.num_features} + window {cfg.window} + sinks {cfg.sinks}, untrained")
     convert(model, target)
