@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .hybrid import exact_local
-from .linear import bidirectional_linear, causal_linear, shift_keys
+from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
 from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
@@ -73,26 +73,34 @@ def random_feature_attention(
     xk = k.to(ct) * root
     vv = v.to(ct)
 
-    fq = feature_map.forward_queries(xq)
-    fk = feature_map.forward_keys(xk)
-    qf = fq.phi.reshape(b, hkv, g, n, -1)
-    lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
-    kf, lk = fk.phi, fk.log_scale
+    # pure causal feature part (no window shift): features are computed block by block inside
+    # causal_feature_attention, never for the whole sequence at once
+    fused = causal and window == 0
+    qf = lq = kf = lk = lq_add = lk_add = None
+    if not fused:
+        fq = feature_map.forward_queries(xq)
+        fk = feature_map.forward_keys(xk)
+        qf = fq.phi.reshape(b, hkv, g, n, -1)
+        lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
+        kf, lk = fk.phi, fk.log_scale
 
     if causal and feature_map.has_gate:
         logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,Nk]
         if km is not None:
             logg = logg * km[:, None, :]
         cum = torch.cumsum(logg, dim=-1)
-        lk = (lk if lk is not None else 0.0) + log1mg - cum
-        lq = (lq if lq is not None else 0.0) + cum[:, :, None, :]
+        if fused:
+            lk_add, lq_add = log1mg - cum, cum[:, :, None, :]
+        else:
+            lk = (lk if lk is not None else 0.0) + log1mg - cum
+            lq = (lq if lq is not None else 0.0) + cum[:, :, None, :]
 
     # keys answered by the feature map: real, not sinks (window handled by shifting below)
     feat_mask = km
     if sinks > 0:
         sm = sink_mask(km, b, nk, sinks, q.device)
         feat_mask = (km if km is not None else torch.ones_like(sm)) & ~sm
-    if feat_mask is not None:
+    if feat_mask is not None and not fused:
         kf = kf * feat_mask[:, None, :, None]
         if lk is not None:
             lk = torch.where(feat_mask[:, None, :], lk, torch.full_like(lk, NEG))
@@ -101,7 +109,9 @@ def random_feature_attention(
     if window > 0 or sinks > 0:
         parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
     if window < n:
-        if causal:
+        if fused:
+            parts.append(causal_feature_attention(feature_map, xq, xk, vv, feat_mask, lq_add, lk_add, chunk_size)[0])
+        elif causal:
             ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
             ls = shift_keys(lk, window, NEG) if lk is not None else None
             parts.append(causal_linear(qf, lq, ks, ls, vs, chunk_size)[0])

@@ -1,0 +1,169 @@
+"""The fast paths of the causal op: blocked chunk scans (any chunk/block size, odd lengths),
+the unscaled (``lk is None``) path, carried states, and the fused per-block feature path used by
+``random_feature_attention`` — each against a quadratic reference."""
+
+import pytest
+import torch
+
+import hf_rfa
+from hf_rfa.ops import LinearState, finalize, fold, quadratic_kernel_attention
+from hf_rfa.ops.linear import causal_feature_attention, causal_linear
+from hf_rfa.ops.masks import NEG
+from tolerances import GRAD_FP32, ORACLE_FP32
+from conftest import rel
+
+
+def features(b=2, hkv=2, g=2, n=63, f=12, dv=8, lscale=3.0, seed=0, scaled=True):
+    gen = torch.Generator().manual_seed(seed)
+    qf = torch.rand(b, hkv, g, n, f, generator=gen)
+    kf = torch.rand(b, hkv, n, f, generator=gen)
+    v = torch.randn(b, hkv, n, dv, generator=gen)
+    lq = lscale * torch.randn(b, hkv, g, n, generator=gen) if scaled else None
+    lk = lscale * torch.randn(b, hkv, n, generator=gen) if scaled else None
+    return qf, lq, kf, lk, v
+
+
+def quadratic(qf, lq, kf, lk, v, prefix=0):
+    """float64 ``Σ_{s≤t} φq_t·φk_s e^{lq_t+lk_s} v_s / Σ(…)``; queries are the last rows, keys may
+    include ``prefix`` earlier positions (seen by every query)."""
+    qf, kf, v = qf.double(), kf.double(), v.double()
+    n, nk = qf.shape[-2], kf.shape[-2]
+    lq = torch.zeros(qf.shape[:-1], dtype=torch.float64) if lq is None else lq.double()
+    lk = torch.zeros(kf.shape[:-1], dtype=torch.float64) if lk is None else lk.double()
+    dot = qf @ kf.unsqueeze(2).transpose(-1, -2)  # [B,Hkv,G,N,Nk]
+    logw = lq.unsqueeze(-1) + lk[:, :, None, None, :]
+    t = torch.arange(nk - n, nk).view(-1, 1)
+    s = torch.arange(nk).view(1, -1)
+    vis = s <= t
+    off = torch.where(vis, logw, torch.full_like(logw, -1e300)).amax(-1, keepdim=True)
+    w = dot * torch.exp(torch.where(vis, logw - off, torch.full_like(logw, -1e300)))
+    return (w @ v.unsqueeze(2)) / w.sum(-1, keepdim=True)
+
+
+def out_of(part):
+    return finalize(part, 1e-30)
+
+
+@pytest.mark.parametrize("n", [1, 63, 500])
+@pytest.mark.parametrize("chunk,block", [(1, 1), (3, 7), (16, 16), (16, 48), (64, None), (64, 1024), (500, None)])
+@pytest.mark.parametrize("scaled", [True, False], ids=["logscale", "unscaled"])
+def test_blocked_causal_linear_matches_quadratic(n, chunk, block, scaled):
+    qf, lq, kf, lk, v = features(n=n, scaled=scaled)
+    part, _ = causal_linear(qf, lq, kf, lk, v, chunk, block_size=block)
+    assert part.num.shape == (2, 2, 2, n, 8) and part.den.shape == part.log_scale.shape == (2, 2, 2, n)
+    assert rel(out_of(part), quadratic(qf, lq, kf, lk, v)) <= ORACLE_FP32
+
+
+def test_large_log_scale_jumps_stay_exact():
+    """Key log scales jumping by hundreds (within a chunk and across blocks) never overflow."""
+    qf, lq, kf, lk, v = features(n=200, lscale=80.0, seed=3)
+    lk[..., 150] = 400.0  # a huge key late in the sequence
+    part, st = causal_linear(qf, lq, kf, lk, v, 16, block_size=32)
+    assert torch.isfinite(part.num).all() and torch.isfinite(st.S).all()
+    assert rel(out_of(part), quadratic(qf, lq, kf, lk, v)) <= ORACLE_FP32
+
+
+@pytest.mark.parametrize("chunk,block", [(4, 8), (16, None)])
+@pytest.mark.parametrize("scaled", [True, False], ids=["logscale", "unscaled"])
+def test_carried_state_and_returned_state(chunk, block, scaled):
+    qf, lq, kf, lk, v = features(n=90, scaled=scaled, seed=1)
+    p = 37  # prefix folded into the state, the rest run with it
+    st0 = fold(LinearState.zeros(2, 2, 12, 8), kf[:, :, :p], None if lk is None else lk[..., :p], v[:, :, :p])
+    part, st = causal_linear(qf[:, :, :, p:], None if lq is None else lq[..., p:], kf[:, :, p:], None if lk is None else lk[..., p:], v[:, :, p:], chunk, st0, block_size=block)
+    ref = quadratic(qf[:, :, :, p:], None if lq is None else lq[..., p:], kf, lk, v)
+    assert rel(out_of(part), ref) <= ORACLE_FP32
+    # the returned state equals folding every key at once
+    full = fold(LinearState.zeros(2, 2, 12, 8), kf, lk, v)
+    assert rel(st.S * torch.exp(st.ref - full.ref)[..., None, None], full.S) <= ORACLE_FP32
+    assert rel(st.z * torch.exp(st.ref - full.ref)[..., None], full.z) <= ORACLE_FP32
+
+
+def test_masked_keys_and_empty_prefix():
+    """Keys with NEG log scale and zero features (padding) contribute nothing; rows with no
+    visible key have den == 0 and a finite output after finalize."""
+    qf, lq, kf, lk, v = features(n=50, seed=2)
+    kf[:, :, :9] = 0.0
+    lk[:, :, :9] = NEG
+    part, _ = causal_linear(qf, lq, kf, lk, v, 8, block_size=16)
+    assert (part.den[..., :9] == 0).all()
+    assert torch.isfinite(out_of(part)).all()
+    assert rel(out_of(part)[..., 9:, :], quadratic(qf, lq, kf, lk, v)[..., 9:, :]) <= ORACLE_FP32
+
+
+@pytest.mark.parametrize("name", ["favor+", "rff", "hedgehog", "elu", "rfa"])
+@pytest.mark.parametrize("n", [1, 63, 500])
+def test_fused_feature_path_equals_unfused(name, n):
+    b, h, hkv, d = 2, 4, 2, 16
+    gen = torch.Generator().manual_seed(4)
+    xq = 0.5 * torch.randn(b, h, n, d, generator=gen)
+    xk = 0.5 * torch.randn(b, hkv, n, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, : n // 3] = False
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=8)
+    fq, fk = fm.forward_queries(xq), fm.forward_keys(xk)
+    qf = fq.phi.reshape(b, hkv, 2, n, -1)
+    lq = fq.log_scale.reshape(b, hkv, 2, n) if fq.log_scale is not None else None
+    kf = fk.phi * mask[:, None, :, None]
+    lk = torch.where(mask[:, None], fk.log_scale, torch.full_like(fk.log_scale, NEG)) if fk.log_scale is not None else None
+    ref, st_ref = causal_linear(qf, lq, kf, lk, v, 16)
+    for chunk, block in ((16, None), (5, 15), (64, 64)):
+        part, st = causal_feature_attention(fm, xq, xk, v, mask, chunk_size=chunk, block_size=block)
+        ok = mask.view(b, 1, 1, n).expand(part.den.shape)
+        assert rel(out_of(part)[ok], out_of(ref)[ok]) <= ORACLE_FP32
+        assert rel(st.S, st_ref.S) <= ORACLE_FP32
+
+
+@pytest.mark.parametrize("name", ["favor+", "rfa", "hedgehog"])
+@pytest.mark.parametrize("n,chunk", [(1, 64), (63, 7), (500, 64), (500, 1)])
+def test_public_causal_path_matches_quadratic_twin(name, n, chunk):
+    gen = torch.Generator().manual_seed(5)
+    b, h, hkv, d = 1, 4, 2, 16
+    q, k, v = (torch.randn(b, hh, n, d, generator=gen) for hh in (h, hkv, hkv))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, : n // 4] = False
+    kw = {"gate": True} if name == "rfa" else {}
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=16, **kw)
+    fast = hf_rfa.random_feature_attention(q, k, v, fm, causal=True, attention_mask=mask, chunk_size=chunk, sinks=1 if n > 1 else 0)
+    ref = quadratic_kernel_attention(q, k, v, fm, causal=True, attention_mask=mask, sinks=1 if n > 1 else 0)
+    sel = mask[0]
+    assert rel(fast[:, :, sel], ref[:, :, sel]) <= ORACLE_FP32
+
+
+@pytest.mark.parametrize("chunk,block", [(16, None), (4, 12), (7, 7)])
+def test_fused_path_is_streaming_safe(chunk, block):
+    """Earlier outputs are bit-identical when later tokens (same chunk, later chunks, later
+    blocks) change, whatever the chunk/block boundaries."""
+    gen = torch.Generator().manual_seed(6)
+    b, h, n, d = 1, 2, 70, 16
+    xq, xk, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
+    fm = hf_rfa.build_feature_map("favor+", head_dim=d, num_features=16)
+    p1, _ = causal_feature_attention(fm, xq, xk, v, chunk_size=chunk, block_size=block)
+    for t in (0, 5, 29, 40):
+        xq2, xk2, v2 = xq.clone(), xk.clone(), v.clone()
+        xq2[:, :, t + 1 :] *= 30
+        xk2[:, :, t + 1 :] = 30 * torch.randn(b, h, n - t - 1, d, generator=gen)
+        v2[:, :, t + 1 :] = torch.randn(b, h, n - t - 1, d, generator=gen)
+        p2, _ = causal_feature_attention(fm, xq2, xk2, v2, chunk_size=chunk, block_size=block)
+        for a, c in ((p1.num, p2.num), (p1.den, p2.den), (p1.log_scale, p2.log_scale)):
+            assert torch.equal(a[:, :, :, : t + 1], c[:, :, :, : t + 1])
+
+
+@pytest.mark.parametrize("name", ["favor+", "rff", "rfa"])
+def test_fused_path_gradients(name):
+    gen = torch.Generator().manual_seed(7)
+    b, h, hkv, n, d = 1, 4, 2, 45, 8
+    q, k, v = (torch.randn(b, hh, n, d, generator=gen) for hh in (h, hkv, hkv))
+    if name == "rff":
+        q, k = 0.4 * q, 0.4 * k
+    kw = {"gate": True} if name == "rfa" else {}
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=8, **kw)
+    up = torch.randn(b, h, n, d, generator=gen)
+    grads = []
+    for fn in (lambda *a: hf_rfa.random_feature_attention(*a, causal=True, chunk_size=4), lambda *a: quadratic_kernel_attention(*a, causal=True)):
+        fm.zero_grad()
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        (fn(qq, kk, vv, fm) * up).sum().backward()
+        grads.append([qq.grad, kk.grad, vv.grad] + [p.grad.clone() for p in fm.parameters() if p.grad is not None])
+    for a, c in zip(*grads):
+        assert rel(a, c) <= GRAD_FP32
