@@ -294,9 +294,9 @@ def test_accelerate_two_processes_match_one_and_resume(assets, tmp_path, family)
 
 
 def _trainer_args(assets, out, family, **extra) -> list[str]:
-    a = _acc_args(assets, out, family)
-    a = [x for x in a if x not in ("--max_train_steps", "--disable_tqdm")]
-    a = [x for i, x in enumerate(a) if not (i and a[i - 1] in ("--max_train_steps", "--disable_tqdm"))]
+    full = _acc_args(assets, out, family)
+    drop = {i for i, x in enumerate(full) if x in ("--max_train_steps", "--disable_tqdm")}
+    a = [x for i, x in enumerate(full) if i not in drop and i - 1 not in drop]
     a += ["--max_steps", "6", "--do_train", "--do_eval", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
           "--disable_tqdm", "true", "--use_cpu", "true", "--data_seed", "0"]
     for k, v in extra.items():
