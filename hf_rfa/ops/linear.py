@@ -75,51 +75,71 @@ def _causal_block(
     """One block of T = L·C tokens (T a multiple of ``chunk``) with incoming state ``S [B,Hkv,F,Dv+1]``
     relative to ``ref [B,Hkv]``. ``lk is None`` means every key has log scale 0 and ``ref >= 0``.
 
+    Every product is a 3-D batched matmul over ``B·Hkv·L`` chunks (the G query heads of a kv head
+    are stacked as rows, so K/V are never repeated). Exponentials are only taken of entries that
+    are used (≤ 0); masked entries are zeroed afterwards (an exp of a huge negative number is both
+    slow on CPUs and unnecessary).
+
     Returns ``(out [B,Hkv,G,T,Dv+1], ls [B,Hkv,G,T], S', ref')``.
     """
     b, hkv, g, t, f = qf.shape
     c = chunk
     nc = t // c
-    dv1 = va.shape[-1]
-    q = qf.reshape(b, hkv, g, nc, c, f)
-    k = kf.reshape(b, hkv, nc, c, f)
-    vc = va.reshape(b, hkv, nc, c, dv1)
+    bh, dv1 = b * hkv, va.shape[-1]
+    n3 = bh * nc
+    if g == 1:
+        q3 = qf.reshape(n3, c, f)
+    else:  # rows (g, t) of one chunk together
+        q3 = qf.reshape(b, hkv, g, nc, c, f).transpose(2, 3).reshape(n3, g * c, f)
+    k3 = kf.reshape(n3, c, f)
+    v3 = va.reshape(n3, c, dv1)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qf, kf, lk, va, S))
     dev = qf.device
-    tril = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
-    scores = q @ k.unsqueeze(2).transpose(-1, -2)  # [B,Hkv,G,L,C(t),C(s)]
-    # strictly lower [L+1, L]: row i (< L) gives the state entering chunk i, row L the state after the block
-    lower = torch.ones(nc + 1, nc, dtype=torch.bool, device=dev).tril(-1)
+    keep = torch.ones(c, c, dtype=torch.bool, device=dev).tril()  # s <= t
+    drop = ~keep
+    scores = torch.bmm(q3, k3.transpose(1, 2)).view(n3, g, c, c)  # [B·Hkv·L, G, C(t), C(s)]
     if lk is None:
-        a = scores * tril.to(scores.dtype)
-        U = k.transpose(-1, -2) @ vc  # [B,Hkv,L,F,Dv+1]
-        P = lower.to(U.dtype) @ U.reshape(b, hkv, nc, f * dv1) + S.reshape(b, hkv, 1, f * dv1)
-        inter = q @ P[:, :, :nc].reshape(b, hkv, 1, nc, f, dv1)
-        out = (inter + a @ vc.unsqueeze(2)).reshape(b, hkv, g, t, dv1)
+        a = scores.masked_fill_(drop, 0.0) if not grad else scores.masked_fill(drop, 0.0)
+        U = torch.bmm(k3.transpose(1, 2), v3).view(bh, nc, f * dv1)  # chunk increments
+        lower = torch.ones(nc, nc, dtype=U.dtype, device=dev).tril(-1).expand(bh, nc, nc)
+        P = torch.bmm(lower, U)
+        P = P.add_(S.reshape(bh, 1, f * dv1)) if not grad else P + S.reshape(bh, 1, f * dv1)
+        S_out = P[:, -1] + U[:, -1]
+        inter = torch.bmm(q3, P.view(n3, f, dv1))  # [B·Hkv·L, G·C, Dv+1]
+        out = inter.baddbmm_(a.view(n3, g * c, c), v3)
+        out = out.view(b, hkv, nc, g, c, dv1).transpose(2, 3).reshape(b, hkv, g, t, dv1)
         ls = ref[:, :, None, None].expand(b, hkv, g, t)
-        return out, ls, P[:, :, nc].reshape(b, hkv, f, dv1), ref
+        return out, ls, S_out.view(b, hkv, f, dv1), ref
     mt = torch.maximum(torch.cummax(lk, dim=-1).values, ref.unsqueeze(-1)).detach()  # [B,Hkv,T]
-    mtc = mt.reshape(b, hkv, nc, c)
-    lkc = lk.reshape(b, hkv, nc, c)
-    r_end = mtc[..., -1]  # [B,Hkv,L]: reference of each chunk's state (max at its last key)
-    r_in = torch.cat([ref.unsqueeze(-1), r_end[..., :-1]], dim=-1)  # state entering chunk i
+    mtc = mt.reshape(n3, c)
+    lkc = lk.reshape(n3, c)
+    r_end = mtc[:, -1].view(bh, nc)  # reference of each chunk's state (running max at its last key)
+    r_in = torch.cat([ref.reshape(bh, 1), r_end[:, :-1]], dim=-1)  # reference of the state entering chunk i
     # intra-chunk decay exp(lk_s − mt_t) ≤ 1 for s ≤ t, exact 0 above the diagonal
-    logd = lkc.unsqueeze(-2) - mtc.unsqueeze(-1)  # [B,Hkv,L,C(t),C(s)]
-    d = torch.exp(torch.where(tril, logd, torch.full_like(logd, NEG)))
-    a = scores * d.unsqueeze(2)
-    # per-chunk increments relative to their own chunk-end reference
-    wk = torch.exp(lkc - r_end.unsqueeze(-1)).unsqueeze(-1) * k  # [B,Hkv,L,C,F]
-    U = wk.transpose(-1, -2) @ vc  # [B,Hkv,L,F,Dv+1]
-    r_rows = torch.cat([r_in, r_end[..., -1:]], dim=-1)  # [B,Hkv,L+1]
-    logD = r_end.unsqueeze(-2) - r_rows.unsqueeze(-1)  # [B,Hkv,L+1,L]
-    D = torch.exp(torch.where(lower, logD, torch.full_like(logD, NEG)))
-    carry = torch.exp(ref.unsqueeze(-1) - r_rows)  # [B,Hkv,L+1]
-    P = D @ U.reshape(b, hkv, nc, f * dv1) + carry.unsqueeze(-1) * S.reshape(b, hkv, 1, f * dv1)
-    inter = q @ P[:, :, :nc].reshape(b, hkv, 1, nc, f, dv1)  # [B,Hkv,G,L,C,Dv+1]
-    scale = torch.exp(r_in.unsqueeze(-1) - mtc)  # [B,Hkv,L,C] ≤ 1
-    out = inter * scale[:, :, None, :, :, None] + a @ vc.unsqueeze(2)
-    out = out.reshape(b, hkv, g, t, dv1)
+    logd = lkc.unsqueeze(-2) - mtc.unsqueeze(-1)  # [B·Hkv·L, C(t), C(s)]
+    if grad:
+        d = torch.exp(logd.masked_fill(drop, 0.0)).masked_fill(drop, 0.0)
+        a = scores * d.unsqueeze(1)
+    else:
+        d = logd.masked_fill_(drop, 0.0).exp_().masked_fill_(drop, 0.0)
+        a = scores.mul_(d.unsqueeze(1))
+    # per-chunk increments relative to their own chunk-end reference (weights ≤ 1)
+    wk = k3 * torch.exp(lkc - r_end.reshape(n3, 1)).unsqueeze(-1)
+    U = torch.bmm(wk.transpose(1, 2), v3).view(bh, nc, f * dv1)
+    # state entering chunk i: Σ_{j<i} exp(r_end_j − r_in_i) U_j + exp(ref − r_in_i) S
+    logD = r_end.unsqueeze(-2) - r_in.unsqueeze(-1)  # [B·Hkv, L(i), L(j)]
+    upper = torch.ones(nc, nc, dtype=torch.bool, device=dev).triu()  # j >= i: not yet folded
+    D = torch.exp(logD.masked_fill(upper, 0.0)).masked_fill_(upper, 0.0)
+    carry = torch.exp(ref.reshape(bh, 1) - r_in)  # [B·Hkv, L] ≤ 1
+    P = torch.bmm(D, U)
+    P = P.addcmul_(carry.unsqueeze(-1), S.reshape(bh, 1, f * dv1)) if not grad else torch.addcmul(P, carry.unsqueeze(-1), S.reshape(bh, 1, f * dv1))
+    S_out = P[:, -1] * torch.exp(r_in[:, -1:] - r_end[:, -1:]) + U[:, -1]
+    inter = torch.bmm(q3, P.view(n3, f, dv1)).view(n3, g, c, dv1)
+    inter = inter.mul_(torch.exp(r_in.reshape(n3, 1) - mtc)[:, None, :, None])  # ≤ 1, no gradient
+    out = inter.view(n3, g * c, dv1).baddbmm_(a.view(n3, g * c, c), v3)
+    out = out.view(b, hkv, nc, g, c, dv1).transpose(2, 3).reshape(b, hkv, g, t, dv1)
     ls = mt.unsqueeze(2).expand(b, hkv, g, t)
-    return out, ls, P[:, :, nc].reshape(b, hkv, f, dv1), r_end[..., -1]
+    return out, ls, S_out.view(b, hkv, f, dv1), r_end[:, -1].view(b, hkv)
 
 
 def _causal_scan(
