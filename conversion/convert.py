@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=16384, help="predicted tokens per evaluation (0: all)")
     p.add_argument("--error-tokens", type=int, default=2048)
     p.add_argument("--eval-sentences", type=int, default=1000)
+    p.add_argument("--transfer-queries", type=int, default=256, help="causal: fit the last Q queries of each sequence (0: all)")
     p.add_argument("--transfer-lr", type=float, default=1e-2)
     p.add_argument("--lora-lr", type=float, default=1e-3)
     p.add_argument("--lora-r", type=int, default=8)
@@ -60,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
 def config_from_args(argv: list[str] | None = None) -> ConversionConfig:
     a = vars(parser().parse_args(argv))
     a["eval_tokens"] = a["eval_tokens"] or None
+    a["transfer_queries"] = a["transfer_queries"] or None
     return ConversionConfig(**a)
 
 

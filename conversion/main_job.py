@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT = [
     "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4",
-    "--context", "1024", "--transfer-tokens", "65536", "--transfer-minutes", "12",
+    "--context", "1024", "--transfer-tokens", "65536", "--transfer-minutes", "12", "--transfer-queries", "128",
     "--lora-tokens", "4096", "--lora-context", "512", "--lora-minutes", "5",
     "--eval-contexts", "1024", "--eval-tokens", "8192", "--error-tokens", "1024",
 ]

@@ -65,6 +65,7 @@ class ConversionConfig:
     error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
     eval_sentences: int = 1000
     batch_size: int = 1
+    transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (None: all)"})
     transfer_lr: float = 1e-2
     lora_lr: float = 1e-3
     lora_r: int = 8
@@ -291,7 +292,7 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
     final = f"{label}, untrained"
     if trainable and cfg.transfer_tokens > 0:
         res = transfer.attention_transfer(
-            model, stream, cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
+            model, stream, cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress, queries=cfg.transfer_queries,
             max_seconds=None if cfg.transfer_minutes is None else 60 * cfg.transfer_minutes,
         )
         report["stages"]["transfer"] = res.as_dict()

@@ -117,6 +117,7 @@ def attention_transfer(
     max_seconds: float | None = None,
     init_mix: bool = True,
     progress: bool = True,
+    queries: int | None = None,
 ) -> TransferResult:
     """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
 
@@ -127,6 +128,8 @@ def attention_transfer(
         tokens: stop after this many (real) tokens; ``max_seconds`` stops earlier on wall time.
         lr: Adam learning rate of the feature-map parameters.
         init_mix: initialise the hybrid mixing weights from the first batch first.
+        queries: causal layers: fit only the last ``queries`` positions of each sequence (they
+            still attend over the whole context), which cuts the quadratic cost by N/queries.
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
     Raises ValueError when the converted layers have nothing to train (random maps).
     """
@@ -156,10 +159,12 @@ def attention_transfer(
             total = 0.0
             for idx, rfa in layers.items():
                 cap = caps[idx]
+                if queries is not None and cap.causal and queries < cap.q.shape[2]:
+                    cap = Captured(cap.q[:, :, -queries:], cap.k, cap.v, cap.out[:, :, -queries:], cap.mask, True, cap.scale)
                 pred = rfa_output(rfa, cap, differentiable=True)
                 diff = pred.float() - cap.out.float()
                 if cap.mask is not None:
-                    m = cap.mask[:, None, :, None].to(diff.dtype)
+                    m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
                     loss = (diff.pow(2) * m).sum() / (m.sum() * diff.shape[1] * diff.shape[-1]).clamp_min(1)
                 else:
                     loss = diff.pow(2).mean()

@@ -123,3 +123,17 @@ def test_lora_finetune_returns_merged_converted_model():
     assert res.steps == 3 and type(merged).__name__ == "LlamaForCausalLM"
     assert merged.config._attn_implementation == "rfa" and hasattr(merged.model.layers[0].self_attn, "rfa")
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, w0)
+
+
+def test_transfer_on_last_queries_only():
+    m = tiny_model("llama")
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if any(s in n for s in ("q_proj", "k_proj")):
+                p.mul_(4)
+    hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=16))
+    held = _batches(_ids(seed=1))
+    before = calibration.layer_errors(m, held, progress=False)
+    transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 2, seed=0), tokens=64 * 2 * 40, lr=3e-2, queries=16, progress=False)
+    after = calibration.layer_errors(m, held, progress=False)
+    assert all(a.relative_error < 0.9 * x.relative_error for a, x in zip(after, before))
