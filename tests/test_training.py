@@ -30,12 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 ACCELERATE = os.path.join(os.path.dirname(PY), "accelerate")
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
-#: 2-process vs 1-process losses with the same global batch (relative; gloo all-reduce order)
-DDP_LOSS_REL = 1e-5
-#: resumed vs uninterrupted run, same process count (relative; observed bit-identical)
-RESUME_LOSS_REL = 1e-6
-#: FSDP2 (sharded) vs the same model unsharded, per step (relative)
-FSDP_LOSS_REL = 1e-5
+from tolerances import DDP_LOSS_REL, FSDP_LOSS_REL, RESUME_LOSS_REL  # noqa: E402
 
 WORDS = "good great fine awful bad poor the a movie film plot actor scene story very quite".split()
 

@@ -12,3 +12,9 @@ LOW_PRECISION = 3e-2
 PLUMBING_LOGITS = 1e-4
 #: state-cache decoding (prefill + chunks + single tokens) vs one full forward (absolute, logits)
 DECODE_LOGITS = 1e-4
+#: 2-process vs 1-process training losses with the same global batch (relative; gloo all-reduce order)
+DDP_LOSS_REL = 1e-5
+#: resumed vs uninterrupted run, same process count (relative; observed bit-identical)
+RESUME_LOSS_REL = 1e-6
+#: FSDP2 (sharded) vs the same model unsharded, per step (relative)
+FSDP_LOSS_REL = 1e-5

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..config import CONFIG_ATTR
-from ..convert import convert, feature_maps, from_pretrained, rfa_config_of
+from ..convert import convert, from_pretrained, rfa_config_of
+from ..feature_maps import FeatureMap
 from ..peft_utils import lora_config
 from .args import ModelArguments, RFAArguments
 
@@ -105,9 +106,14 @@ def apply_lora(model: nn.Module, model_args: ModelArguments, task: str) -> nn.Mo
 
 
 def projection_fingerprint(model: nn.Module) -> str:
-    """SHA-256 over every feature map's buffers and parameters (in module order)."""
+    """SHA-256 over the buffers and parameters of every feature map in use (in module order).
+
+    Under PEFT, ``modules_to_save`` keeps the frozen original next to the trained copy; only the
+    copy is used (and survives ``merge_and_unload``), so originals are skipped.
+    """
     h = hashlib.sha256()
-    for fm in feature_maps(model):
+    in_use = [m for name, m in model.named_modules() if isinstance(m, FeatureMap) and ".original_module." not in f".{name}."]
+    for fm in in_use:
         for name, t in list(fm.named_buffers()) + list(fm.named_parameters()):
             h.update(name.encode())
             h.update(t.detach().to("cpu", torch.float64 if t.is_floating_point() else torch.int64).contiguous().numpy().tobytes())
