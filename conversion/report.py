@@ -39,6 +39,14 @@ def command_of(cfg: dict) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _minutes(r: dict) -> str:
+    return f"{r['train_minutes']:.1f}" if "train_minutes" in r else ""
+
+
+def _op(r: dict) -> str:
+    return "sdpa" if r["variant"].startswith("original") else r.get("op", "chunked op")
+
+
 def run_table(rep: dict) -> str:
     rows = rep["rows"]
     orig = {r.get("context"): r.get("perplexity") for r in rows if r["variant"].startswith("original")}
@@ -49,7 +57,7 @@ def run_table(rep: dict) -> str:
             ratio = r["perplexity"] / orig[r["context"]] if orig.get(r["context"]) else float("nan")
             lines.append(
                 f"| {r['variant']} | {r['context']} | {r['perplexity']:.2f} | {ratio:.3f} | {r['eval_tokens']} | "
-                f"{r.get('train_tokens', '')} | {'' if 'train_minutes' not in r else f'{r['train_minutes']:.1f}'} | {r.get('op', 'sdpa') if not r['variant'].startswith('original') else 'sdpa'} |"
+                f"{r.get('train_tokens', '')} | {_minutes(r)} | {_op(r)} |"
             )
         return "\n".join(lines)
     head = "| variant | mean cosine | min cosine | accuracy | sentences | train tokens | train minutes |\n|---|---|---|---|---|---|---|"
@@ -58,7 +66,7 @@ def run_table(rep: dict) -> str:
         acc = f"{r['accuracy']:.3f}" if "accuracy" in r else ""
         lines.append(
             f"| {r['variant']} | {r['cosine_mean']:.4f} | {r['cosine_min']:.4f} | {acc} | {r.get('sentences', '')} | "
-            f"{r.get('train_tokens', '')} | {'' if 'train_minutes' not in r else f'{r['train_minutes']:.1f}'} |"
+            f"{r.get('train_tokens', '')} | {_minutes(r)} |"
         )
     return "\n".join(lines)
 
@@ -71,7 +79,7 @@ def render(run_dirs: list[str], note: str = "") -> str:
         with open(os.path.join(d, "report.json"), encoding="utf-8") as f:
             rep = json.load(f)
         cfg = rep["config"]
-        out += [f"## {os.path.basename(os.path.normpath(d))}: {os.path.basename(os.path.normpath(cfg['model']))} ({rep['kind']})", ""]
+        out += [f"## {os.path.basename(os.path.normpath(d))}: `{cfg['model']}` ({rep['kind']})", ""]
         out += [run_table(rep), ""]
         st = rep.get("stages", {})
         for name, s in st.items():
