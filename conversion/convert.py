@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,8 +67,14 @@ def config_from_args(argv: list[str] | None = None) -> ConversionConfig:
     return ConversionConfig(**a)
 
 
+def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the temp folder is removed
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     report = run(config_from_args(argv))
     print(_rows_markdown(report["rows"]))
     if "generation" in report:
