@@ -46,8 +46,8 @@ class TransferResult:
     losses: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        first = sum(self.losses[:5]) / max(len(self.losses[:5]), 1) if self.losses else None
-        last = sum(self.losses[-5:]) / max(len(self.losses[-5:]), 1) if self.losses else None
+        first = self.losses[0] if self.losses else None
+        last = self.losses[-1] if self.losses else None
         return {"tokens": self.tokens, "steps": self.steps, "minutes": self.seconds / 60, "loss_first": first, "loss_last": last}
 
 
