@@ -130,6 +130,17 @@ def make_call(impl: str, q, k, v, fm, causal: bool, backward: bool, chunk_size: 
     return call_bwd
 
 
+def release_memory() -> None:
+    """Give freed heap memory back to the OS (glibc keeps large freed arenas otherwise, which
+    would crowd out the memory subprocesses)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_timed(call, device: str) -> float:
     sync(device)
     t0 = time.perf_counter()
@@ -232,6 +243,7 @@ def bench_group(dtype_name: str, m: int, causal: bool, backward: bool, ns: list[
             f"rfa {t_rfa * 1e3:.1f} ms, sdpa {('%.1f ms' % (s['time'] * 1e3)) if 'time' in s else s.get('skipped', '-')}"
         )
         del q, k, v, calls
+        release_memory()
     return rows
 
 
@@ -436,7 +448,7 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="causal,bidir")
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--mem-n", default="4096,16384,65536", help="sizes for the memory table ('' = none)")
-    ap.add_argument("--mem-timeout-s", type=float, default=300.0)
+    ap.add_argument("--mem-timeout-s", type=float, default=600.0)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

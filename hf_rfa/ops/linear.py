@@ -142,44 +142,51 @@ def _causal_block(
     return out, ls, S_out.view(b, hkv, f, dv1), r_end[:, -1].view(b, hkv)
 
 
-def _causal_scan(
-    get: Callable[[int, int], _Block],
-    n: int,
-    state: LinearState,
-    scaled: bool,
-    chunk_size: int,
-    block_size: int | None,
-) -> tuple[Partial, LinearState]:
-    """Run :func:`_causal_block` over ``[0, n)``; ``get(t0, t1)`` returns that range's
-    ``(qf, lq, kf, lk, v)``. ``scaled``: whether ``lk`` is given (else all key log scales are 0)."""
+def _plan(n: int, chunk_size: int, block_size: int | None) -> list[tuple[int, int]]:
+    """Blocks ``(length, chunk)`` covering ``[0, n)``: multiples of the chunk size, then (if any)
+    one short last chunk of its own length."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     bs = DEFAULT_BLOCK_SIZE if block_size is None else int(block_size)
     if bs <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     bs = max(chunk_size, bs - bs % chunk_size)
+    plan, t0 = [], 0
+    while t0 < n:
+        full = min(n - t0, bs) // chunk_size * chunk_size
+        plan.append((full, chunk_size) if full else (n - t0, n - t0))
+        t0 += plan[-1][0]
+    return plan
+
+
+def _split(x: torch.Tensor | None, sizes: list[int], dim: int) -> list | tuple:
+    """Split along the token axis once (one O(N) backward, unlike per-block slicing, whose
+    backward would scatter every block's gradient into a full-size zero tensor)."""
+    return [None] * len(sizes) if x is None else torch.split(x, sizes, dim=dim)
+
+
+def _causal_scan(
+    get: Callable[[int], _Block],
+    plan: list[tuple[int, int]],
+    state: LinearState,
+    scaled: bool,
+) -> tuple[Partial, LinearState]:
+    """Run :func:`_causal_block` over the blocks of ``plan``; ``get(i)`` returns block i's
+    ``(qf, lq, kf, lk, v)``. ``scaled``: whether ``lk`` is given (else all key log scales are 0)."""
     S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1)  # [B,Hkv,F,Dv+1]
     ref = state.ref
     if not scaled:  # unscaled features: everything at log scale 0
         new_ref = ref.clamp_min(0.0)
         S, ref = S * torch.exp(ref - new_ref)[..., None, None], new_ref
     outs, lss, lqs = [], [], []
-    t0 = 0
-    while t0 < n:
-        t1 = min(n, t0 + bs)
-        full = (t1 - t0) // chunk_size * chunk_size
-        c = chunk_size
-        if full == 0:  # a short last chunk: one chunk of its own length
-            full, c = t1 - t0, t1 - t0
-        t1 = t0 + full
-        qf, lq, kf, lk, v = get(t0, t1)
+    for i, (_, c) in enumerate(plan):
+        qf, lq, kf, lk, v = get(i)
         if not scaled:
             lk = None
         out, ls, S, ref = _causal_block(qf, lq, kf, lk, _with_ones(v.to(qf.dtype)), S, ref, c)
         outs.append(out)
         lss.append(ls)
         lqs.append(lq)
-        t0 = t1
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
     ls = lss[0] if len(lss) == 1 else torch.cat(lss, dim=-1)
     if lqs and lqs[0] is not None:
@@ -211,16 +218,14 @@ def causal_linear(
     if state is None:
         state = LinearState.zeros(b, hkv, f, dv, device=qf.device, dtype=qf.dtype)
 
-    def get(t0: int, t1: int) -> _Block:
-        return (
-            qf[:, :, :, t0:t1],
-            lq[..., t0:t1] if lq is not None else None,
-            kf[:, :, t0:t1],
-            lk[..., t0:t1] if lk is not None else None,
-            v[:, :, t0:t1],
-        )
+    plan = _plan(n, chunk_size, block_size)
+    sizes = [p[0] for p in plan]
+    qs, lqs, ks, lks, vs = _split(qf, sizes, 3), _split(lq, sizes, -1), _split(kf, sizes, 2), _split(lk, sizes, -1), _split(v, sizes, 2)
 
-    return _causal_scan(get, n, state, lk is not None, chunk_size, block_size)
+    def get(i: int) -> _Block:
+        return qs[i], lqs[i], ks[i], lks[i], vs[i]
+
+    return _causal_scan(get, plan, state, lk is not None)
 
 
 def causal_feature_attention(
@@ -256,24 +261,30 @@ def causal_feature_attention(
     if state is None:
         state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=dtype)
 
-    def get(t0: int, t1: int) -> _Block:
-        fq = feature_map.forward_queries(xq[:, :, t0:t1])
-        fk = feature_map.forward_keys(xk[:, :, t0:t1])
-        qf = fq.phi.reshape(b, hkv, g, t1 - t0, -1)
-        lq = fq.log_scale.reshape(b, hkv, g, t1 - t0) if fq.log_scale is not None else None
+    plan = _plan(n, chunk_size, block_size)
+    sizes = [p[0] for p in plan]
+    xqs, xks, vs = _split(xq, sizes, 2), _split(xk, sizes, 2), _split(v, sizes, 2)
+    kms, lqas, lkas = _split(key_mask, sizes, 1), _split(lq_add, sizes, -1), _split(lk_add, sizes, -1)
+
+    def get(i: int) -> _Block:
+        t = sizes[i]
+        fq = feature_map.forward_queries(xqs[i])
+        fk = feature_map.forward_keys(xks[i])
+        qf = fq.phi.reshape(b, hkv, g, t, -1)
+        lq = fq.log_scale.reshape(b, hkv, g, t) if fq.log_scale is not None else None
         kf, lk = fk.phi, fk.log_scale
-        if lq_add is not None:
-            lq = lq_add[..., t0:t1] if lq is None else lq + lq_add[..., t0:t1]
-        if lk_add is not None:
-            lk = lk_add[..., t0:t1] if lk is None else lk + lk_add[..., t0:t1]
-        if key_mask is not None:
-            km = key_mask[:, None, t0:t1]
+        if lqas[i] is not None:
+            lq = lqas[i] if lq is None else lq + lqas[i]
+        if lkas[i] is not None:
+            lk = lkas[i] if lk is None else lk + lkas[i]
+        if kms[i] is not None:
+            km = kms[i][:, None]
             kf = kf * km.unsqueeze(-1)
             if lk is not None:
                 lk = torch.where(km, lk, torch.full_like(lk, NEG))
-        return qf, lq, kf, lk, v[:, :, t0:t1]
+        return qf, lq, kf, lk, vs[i]
 
-    return _causal_scan(get, n, state, scaled, chunk_size, block_size)
+    return _causal_scan(get, plan, state, scaled)
 
 
 def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
