@@ -16,8 +16,8 @@ any A < 1/8, with the variance-minimising
 calibration text); the default ``rho=1.0`` is used otherwise. A is fixed during attention so
 the estimator is streaming-safe.
 
-All features are returned as ``exp(a − max_j a)`` with the per-token max in ``log_scale``
-(detached: the product is unchanged), so they never overflow whatever the input norm.
+All features are returned as ``exp(ωᵀx − max_j ωᵀx)`` with the per-token max and the per-token
+terms (−‖x‖²/2, constants) in ``log_scale``, so they never overflow whatever the input norm.
 """
 
 from __future__ import annotations
@@ -31,10 +31,16 @@ from .random_projections import draw_projection
 from .registry import register_feature_map
 
 
-def _positive_features(a: torch.Tensor) -> Features:
-    """From log-features ``a [B,H,N,m]`` to bounded features and per-token log scale."""
-    c = a.amax(dim=-1).detach()
-    return Features(torch.exp(a - c.unsqueeze(-1)), c)
+def _positive_features(proj: torch.Tensor, token_term: torch.Tensor) -> Features:
+    """Bounded features from log-features ``proj + token_term``.
+
+    proj ``[B,H,N,m]`` (the part that varies over features), token_term ``[B,H,N]`` (the part
+    that only varies per token, e.g. −‖x‖²/2 − ½ log m). The per-token max of ``proj`` is taken
+    out (detached: the product phi·exp(log_scale) is unchanged) and the token term goes straight
+    into ``log_scale`` — one pass over the features fewer than subtracting it first.
+    """
+    c = proj.amax(dim=-1).detach()
+    return Features(torch.exp(proj - c.unsqueeze(-1)), c + token_term)
 
 
 @register_feature_map("positive")
@@ -58,13 +64,14 @@ class PositiveRandomFeatures(FeatureMap):
     def feature_dim(self) -> int:
         return self.num_features
 
-    def _log_features(self, x: torch.Tensor) -> torch.Tensor:
+    def _log_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ωᵀx [B,H,N,m], −‖x‖²/2 − ½ log m [B,H,N])``."""
         x = upcast(x)
         proj = x @ self.omega.to(x.dtype).T  # [B,H,N,m]
-        return proj - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
+        return proj, -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(self.num_features)
 
     def forward_queries(self, x: torch.Tensor) -> Features:
-        return _positive_features(self._log_features(x))
+        return _positive_features(*self._log_features(x))
 
     forward_keys = forward_queries
 
@@ -103,13 +110,14 @@ class FavorPlusPlus(PositiveRandomFeatures):
         self.rho.fill_(max(rho, 0.0))
         return rho
 
-    def _log_features(self, x: torch.Tensor) -> torch.Tensor:
+    def _log_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = upcast(x)
         a = self.optimal_a(self.rho.to(x.dtype))
         w = self.omega.to(x.dtype)
-        proj = (x @ w.T) * torch.sqrt(1 - 4 * a)
-        const = a * w.pow(2).sum(-1) + 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
-        return proj + const - 0.5 * x.pow(2).sum(-1, keepdim=True)
+        # A‖ω_j‖² varies over features: it belongs to the per-feature part
+        proj = (x @ w.T) * torch.sqrt(1 - 4 * a) + a * w.pow(2).sum(-1)
+        const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
+        return proj, const - 0.5 * x.pow(2).sum(-1)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rho={float(self.rho):.3f}"
