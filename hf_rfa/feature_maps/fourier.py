@@ -24,25 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import FeatureMap, Features, upcast, per_head
-from .random_projections import draw_projection
+from .base import Features, per_head, upcast
+from .random_projections import RandomProjectionMap
 from .registry import register_feature_map
 
 
-class _TrigFeatures(FeatureMap):
+class _TrigFeatures(RandomProjectionMap):
     positive = False
     #: floor for normalisers that can cross zero (see module docstring)
     eps = 1e-4
-
-    def __init__(self, head_dim: int, num_features: int, seed: int = 0, orthogonal: bool = False, **kw) -> None:
-        super().__init__(head_dim, num_features, seed, **kw)
-        self.orthogonal = bool(orthogonal)
-        self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
-        self.redraw(0)
-
-    def _draw(self, generator: torch.Generator) -> None:
-        w = draw_projection(self.num_features, self.head_dim, generator, self.orthogonal)
-        self.omega.copy_(w.to(self.omega.device))
 
     @property
     def feature_dim(self) -> int:

@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from .base import FeatureMap, Features, upcast
-from .random_projections import draw_projection
+from .base import Features, upcast
+from .random_projections import RandomProjectionMap
 from .registry import register_feature_map
 
 
@@ -44,21 +44,11 @@ def _positive_features(proj: torch.Tensor, token_term: torch.Tensor) -> Features
 
 
 @register_feature_map("positive")
-class PositiveRandomFeatures(FeatureMap):
+class PositiveRandomFeatures(RandomProjectionMap):
     """exp(ωᵀx − ‖x‖²/2)/√m with i.i.d. Gaussian ω (``orthogonal=False`` by default)."""
 
     positive = True
     default_orthogonal = False
-
-    def __init__(self, head_dim: int, num_features: int, seed: int = 0, orthogonal: bool | None = None, **kw) -> None:
-        super().__init__(head_dim, num_features, seed, **kw)
-        self.orthogonal = self.default_orthogonal if orthogonal is None else bool(orthogonal)
-        self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
-        self.redraw(0)
-
-    def _draw(self, generator: torch.Generator) -> None:
-        w = draw_projection(self.num_features, self.head_dim, generator, self.orthogonal)
-        self.omega.copy_(w.to(self.omega.device))
 
     @property
     def feature_dim(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import FeatureMap
+
 
 def gaussian_projection(num_rows: int, dim: int, generator: torch.Generator) -> torch.Tensor:
     """``[num_rows, dim]`` with i.i.d. N(0, 1) entries (float32, CPU)."""
@@ -35,3 +37,23 @@ def draw_projection(num_rows: int, dim: int, generator: torch.Generator, orthogo
     """Dispatch to :func:`orthogonal_projection` or :func:`gaussian_projection`."""
     fn = orthogonal_projection if orthogonal else gaussian_projection
     return fn(num_rows, dim, generator)
+
+
+class RandomProjectionMap(FeatureMap):
+    """A feature map holding one random projection buffer ``omega [m, D]``.
+
+    Drawn at construction (step 0) and by :meth:`redraw`; i.i.d. Gaussian or block-orthogonal
+    rows (``orthogonal``; ``None`` takes the class's ``default_orthogonal``).
+    """
+
+    default_orthogonal = False
+
+    def __init__(self, head_dim: int, num_features: int, seed: int = 0, orthogonal: bool | None = None, **kw) -> None:
+        super().__init__(head_dim, num_features, seed, **kw)
+        self.orthogonal = self.default_orthogonal if orthogonal is None else bool(orthogonal)
+        self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
+        self.redraw(0)
+
+    def _draw(self, generator: torch.Generator) -> None:
+        w = draw_projection(self.num_features, self.head_dim, generator, self.orthogonal)
+        self.omega.copy_(w.to(self.omega.device))
