@@ -154,6 +154,7 @@ def memory_worker(spec: dict) -> dict:
     """Run one case once (in this fresh process) and return its peak extra memory in bytes."""
     device = spec["device"]
     torch.set_num_threads(spec["threads"])
+    hf_rfa.set_compile(bool(spec.get("compile", False)))
     dtype = DTYPES[spec["dtype"]]
     fm = hf_rfa.build_feature_map("favor+", head_dim=D, num_features=spec["m"]).to(device)
     # warm up kernels on a tiny problem so that library initialisation is not counted
@@ -451,6 +452,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mem-timeout-s", type=float, default=600.0)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    ap.add_argument("--compile", action="store_true", help="hf_rfa.set_compile(True): compiled inference kernels (forward only)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -461,6 +463,7 @@ def main(argv=None) -> None:
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    hf_rfa.set_compile(args.compile)
     if args.quick:
         args.max_n = min(args.max_n, 4096)
         args.reps = min(args.reps, 2)
@@ -482,6 +485,7 @@ def main(argv=None) -> None:
         "threads": threads,
         "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "chunk_size": args.chunk_size,
+        "compile": args.compile,
     }
     try:
         with open("/proc/cpuinfo") as fh:
@@ -529,7 +533,7 @@ def main(argv=None) -> None:
                             row[impl] = {"error": "skipped (timing skipped)" if t is not None else "not timed"}
                             continue
                         spec = {"impl": impl, "dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n,
-                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size}
+                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile}
                         row[impl] = measure_memory(spec, args.mem_timeout_s)
                     log(f"memory {row}")
                     res["memory"].append(row)

@@ -14,6 +14,7 @@ Public API::
 from .config import RFAConfig
 from .feature_maps import FeatureMap, Features, available_feature_maps, build_feature_map, register_feature_map
 from .ops import LinearState, quadratic_kernel_attention, random_feature_attention, softmax_attention
+from .ops.kernels import compile_enabled, set_compile
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,8 @@ else:
 from .export import export, push_to_hub  # noqa: E402
 
 __all__ = [
+    "compile_enabled",
+    "set_compile",
     "FeatureMap",
     "Features",
     "LinearState",

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ..ops import kernels
 from .base import Features, upcast
 from .random_projections import RandomProjectionMap
 from .registry import register_feature_map
@@ -39,7 +40,17 @@ def _positive_features(proj: torch.Tensor, token_term: torch.Tensor) -> Features
     out (detached: the product phi·exp(log_scale) is unchanged) and the token term goes straight
     into ``log_scale`` — one pass over the features fewer than subtracting it first.
     """
+    if kernels.active(proj, token_term):
+        return kernels.compiled(_bounded_exp)(proj, token_term)
     c = proj.amax(dim=-1).detach()
+    if torch.is_grad_enabled() and (proj.requires_grad or token_term.requires_grad):
+        return Features(torch.exp(proj - c.unsqueeze(-1)), c + token_term)
+    return Features(proj.sub_(c.unsqueeze(-1)).exp_(), c + token_term)  # no graph: in place
+
+
+def _bounded_exp(proj: torch.Tensor, token_term: torch.Tensor) -> Features:
+    """The pure form of :func:`_positive_features` that :mod:`hf_rfa.ops.kernels` compiles."""
+    c = proj.amax(dim=-1)
     return Features(torch.exp(proj - c.unsqueeze(-1)), c + token_term)
 
 

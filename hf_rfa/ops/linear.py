@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from . import kernels
 from .masks import NEG
 from .partial import Partial
 from .recurrent import LinearState
@@ -142,6 +143,12 @@ def _causal_block(
     return out, ls, S_out.view(b, hkv, f, dv1), r_end[:, -1].view(b, hkv)
 
 
+def _block_step(qf, lq, kf, lk, v, S, ref, chunk: int):
+    """:func:`_causal_block` with the ones column appended to ``v`` (the unit compiled by
+    :mod:`hf_rfa.ops.kernels` when enabled)."""
+    return _causal_block(qf, lq, kf, lk, _with_ones(v.to(qf.dtype)), S, ref, chunk)
+
+
 def _plan(n: int, chunk_size: int, block_size: int | None) -> list[tuple[int, int]]:
     """Blocks ``(length, chunk)`` covering ``[0, n)``: multiples of the chunk size, then (if any)
     one short last chunk of its own length."""
@@ -179,11 +186,14 @@ def _causal_scan(
         new_ref = ref.clamp_min(0.0)
         S, ref = S * torch.exp(ref - new_ref)[..., None, None], new_ref
     outs, lss, lqs = [], [], []
-    for i, (_, c) in enumerate(plan):
+    full = plan[0]
+    for i, (t, c) in enumerate(plan):
         qf, lq, kf, lk, v = get(i)
         if not scaled:
             lk = None
-        out, ls, S, ref = _causal_block(qf, lq, kf, lk, _with_ones(v.to(qf.dtype)), S, ref, c)
+        # only full-size blocks go to the compiled kernel (one shape: no recompilation)
+        step = kernels.maybe_compiled(_block_step, qf, lq, kf, lk, v, S) if (t, c) == full else _block_step
+        out, ls, S, ref = step(qf, lq, kf, lk, v, S, ref, c)
         outs.append(out)
         lss.append(ls)
         lqs.append(lq)
