@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..ops import kernels
+from ..ops.kernels import active as _kernel_active, compiled as _compiled
 from .base import Features, upcast
 from .random_projections import RandomProjectionMap
 from .registry import register_feature_map
@@ -40,8 +40,8 @@ def _positive_features(proj: torch.Tensor, token_term: torch.Tensor) -> Features
     out (detached: the product phi·exp(log_scale) is unchanged) and the token term goes straight
     into ``log_scale`` — one pass over the features fewer than subtracting it first.
     """
-    if kernels.active(proj, token_term):
-        return kernels.compiled(_bounded_exp)(proj, token_term)
+    if _kernel_active(proj, token_term):
+        return _compiled(_bounded_exp)(proj, token_term)
     c = proj.amax(dim=-1).detach()
     if torch.is_grad_enabled() and (proj.requires_grad or token_term.requires_grad):
         return Features(torch.exp(proj - c.unsqueeze(-1)), c + token_term)

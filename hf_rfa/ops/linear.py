@@ -124,9 +124,10 @@ def _causal_block(
     else:
         d = logd.masked_fill_(drop, 0.0).exp_().masked_fill_(drop, 0.0)
         a = scores.mul_(d.unsqueeze(1))
-    # per-chunk increments relative to their own chunk-end reference (weights ≤ 1)
-    wk = k3 * torch.exp(lkc - r_end.reshape(n3, 1)).unsqueeze(-1)
-    U = torch.bmm(wk.transpose(1, 2), v3).view(bh, nc, f * dv1)
+    # per-chunk increments relative to their own chunk-end reference (weights ≤ 1); the per-key
+    # weight scales [v, 1] (C × (Dv+1)) rather than the features (C × F): Σ k_s (w_s v_s)ᵀ
+    wv = v3 * torch.exp(lkc - r_end.reshape(n3, 1)).unsqueeze(-1)
+    U = torch.bmm(k3.transpose(1, 2), wv).view(bh, nc, f * dv1)
     # state entering chunk i: Σ_{j<i} exp(r_end_j − r_in_i) U_j + exp(ref − r_in_i) S
     logD = r_end.unsqueeze(-2) - r_in.unsqueeze(-1)  # [B·Hkv, L(i), L(j)]
     upper = torch.ones(nc, nc, dtype=torch.bool, device=dev).triu()  # j >= i: not yet folded
