@@ -169,3 +169,26 @@ def test_smollm2_quick_conversion_improves_over_untrained(tmp_path):
     rep = pipeline.run(cfg)
     rows = {r["variant"].split(", ")[-1]: r["perplexity"] for r in rep["rows"]}
     assert rows["after attention transfer"] < rows["untrained"]
+
+
+def test_report_regenerates_from_committed_runs(tmp_path):
+    """conversion/RESULTS.md is rendered from the report.json copies kept in the repository: every
+    causal run's summary row is its last variant over the original at the same context."""
+    import glob
+
+    import report
+
+    specs = sorted(glob.glob(os.path.join(ROOT, "conversion", "results", "runs", "*.json")))
+    assert specs, "no committed conversion runs"
+    text = report.render(specs)
+    for spec in specs:
+        label, rep = report.load_run(spec)
+        if rep["kind"] != "causal-lm":
+            continue
+        rows = rep["rows"]
+        for ctx in {r["context"] for r in rows}:
+            orig = next(r for r in rows if r["context"] == ctx and r["variant"].startswith("original"))
+            last = [r for r in rows if r["context"] == ctx and not r["variant"].startswith("original")][-1]
+            assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} |" in text
+    with pytest.raises(ValueError, match="no report.json"):
+        report.load_run(str(tmp_path))
