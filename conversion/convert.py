@@ -32,6 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--no-hybrid-mix", dest="hybrid_mix", action="store_false", help="no learned feature/exact mixing weight")
+    p.add_argument("--learnable-projections", action="store_true", help="favor+/positive/rff…: attention transfer trains the projections")
     p.add_argument("--transfer-tokens", type=int, default=500_000)
     p.add_argument("--lora-tokens", type=int, default=0)
     p.add_argument("--transfer-minutes", type=float, default=None, help="wall-time cap of attention transfer")

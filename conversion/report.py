@@ -39,6 +39,8 @@ def command_of(cfg: dict) -> str:
     for flag, key in (("--no-hybrid-mix", "hybrid_mix"), ("--no-baselines", "baselines"), ("--no-random-hybrid", "random_hybrid")):
         if cfg.get(key) is False:
             parts.append(flag)
+    if cfg.get("learnable_projections"):
+        parts.append("--learnable-projections")
     return " ".join(shlex.quote(p) for p in parts)
 
 

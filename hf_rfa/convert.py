@@ -154,9 +154,13 @@ def feature_maps(model: nn.Module) -> Iterator[FeatureMap]:
 
 @torch.no_grad()
 def redraw(model: nn.Module, step: int) -> int:
-    """Redraw the projections of every feature map from ``(seed, layer, step)``; returns the count."""
+    """Redraw the projections of every feature map from ``(seed, layer, step)``; returns the count.
+
+    Maps with trained projections (``learnable=True``) are left as they are (not counted)."""
     n = 0
     for fm in feature_maps(model):
+        if getattr(fm, "learnable", False):
+            continue
         fm.redraw(step)
         n += 1
     return n

@@ -51,6 +51,7 @@ class ConversionConfig:
     window: int = 64
     sinks: int = 4
     hybrid_mix: bool = field(default=True, metadata={"help": "learned per-head weight of features vs exact part (hedgehog)"})
+    learnable_projections: bool = field(default=False, metadata={"help": "random-projection maps (favor+, …): train the projections in attention transfer"})
     transfer_tokens: int = 500_000
     lora_tokens: int = 0
     transfer_minutes: float | None = field(default=None, metadata={"help": "wall-time cap of attention transfer"})
@@ -97,10 +98,18 @@ class ConversionConfig:
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be None or >= 0, got {v!r}")
         RFAConfig(feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks)
+        if self.learnable_projections:
+            from .feature_maps import feature_map_class
+            from .feature_maps.random_projections import RandomProjectionMap
+
+            if not issubclass(feature_map_class(self.feature_map), RandomProjectionMap):
+                raise ValueError(f"learnable_projections needs a random-projection feature map, got feature_map={self.feature_map!r}")
         RFAConfig(feature_map=self.random_feature_map, num_features=self.random_num_features)
 
     def rfa_config(self) -> RFAConfig:
         options = {"hybrid_mix": True} if self.hybrid_mix and self.feature_map == "hedgehog" and (self.window or self.sinks) else {}
+        if self.learnable_projections:
+            options["learnable"] = True
         return RFAConfig(feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks, seed=self.seed, feature_map_options=options)
 
 

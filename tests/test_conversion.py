@@ -113,6 +113,21 @@ def test_existing_output_is_refused(tiny_dir, tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
 
 
+def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
+    """--learnable-projections: favor+ gets a transfer stage that moves its projections."""
+    import convert as script
+
+    script.main(_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections", "--no-baselines"))
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["stages"]["transfer"]["tokens"] >= 256
+    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
+    maps = list(hf_rfa.feature_maps(model))
+    assert all(fm.learnable for fm in maps)
+    assert any(not torch.equal(fm.omega.detach(), hf_rfa.build_feature_map("favor+", head_dim=fm.head_dim, num_features=8, seed=fm.seed).omega) for fm in maps)
+    with pytest.raises(ValueError, match="learnable_projections"):
+        pipeline.ConversionConfig(model="x", feature_map="hedgehog", learnable_projections=True)
+
+
 def test_bad_config_names_field():
     with pytest.raises(ValueError, match="num_features"):
         pipeline.ConversionConfig(model="x", num_features=0)

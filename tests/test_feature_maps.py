@@ -183,3 +183,30 @@ def test_per_head_parameters_reject_wrong_head_count():
 def test_is_a_feature_map():
     for name in ALL:
         assert isinstance(hf_rfa.build_feature_map(name, head_dim=8, num_features=4), FeatureMap)
+
+
+@pytest.mark.parametrize("name", ["favor+", "positive", "favor++", "rff"])
+def test_learnable_projections(name, tmp_path):
+    """learnable=True: the step-0 draw becomes a trained parameter (same values, same state-dict
+    key), gradients reach it, redraw is refused, and hf_rfa.redraw skips the map."""
+    fixed = hf_rfa.build_feature_map(name, head_dim=8, num_features=16, seed=3)
+    fm = hf_rfa.build_feature_map(name, head_dim=8, num_features=16, seed=3, learnable=True)
+    assert torch.equal(fm.omega, fixed.omega)
+    assert [n for n, _ in fm.named_parameters()] == ["omega"] and not list(fixed.parameters())
+    assert set(fm.state_dict()) == set(fixed.state_dict())
+    x = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(0)) * 0.3
+    fm.forward_queries(x).phi.sum().backward()
+    assert fm.omega.grad is not None and fm.omega.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="learnable"):
+        fm.redraw(1)
+    with pytest.raises(ValueError, match="learnable"):
+        hf_rfa.build_feature_map(name, head_dim=8, num_features=16, learnable="yes")
+
+
+def test_redraw_skips_learnable_maps():
+    from tiny_models import tiny_model
+
+    model = hf_rfa.convert(tiny_model("llama"), feature_map="favor+", num_features=8, feature_map_options={"learnable": True})
+    before = [fm.omega.detach().clone() for fm in hf_rfa.feature_maps(model)]
+    assert hf_rfa.redraw(model, 5) == 0
+    assert all(torch.equal(a, fm.omega) for a, fm in zip(before, hf_rfa.feature_maps(model)))

@@ -186,6 +186,21 @@ def test_save_and_load_round_trip(tmp_path, family, fm):
     assert int(fm0.step) == 4
 
 
+def test_learnable_projections_round_trip(tmp_path):
+    """Trained favor+ projections (learnable=True) are saved and restored exactly."""
+    cfg = hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=3, sinks=1, feature_map_options={"learnable": True})
+    model = hf_rfa.convert(tiny_model("llama"), cfg)
+    with torch.no_grad():
+        for fm in hf_rfa.feature_maps(model):
+            fm.omega.add_(0.05 * torch.randn_like(fm.omega))
+    ids, mask = batch("llama")
+    ref = run(model, ids, mask)
+    model.save_pretrained(tmp_path)
+    loaded = hf_rfa.from_pretrained(str(tmp_path))
+    assert all(isinstance(fm.omega, torch.nn.Parameter) for fm in hf_rfa.feature_maps(loaded))
+    assert torch.equal(run(loaded, ids, mask), ref)
+
+
 def test_from_pretrained_rejects_plain_checkpoint(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a converted hf_rfa checkpoint"):

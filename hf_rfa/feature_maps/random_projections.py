@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .base import FeatureMap
 
@@ -40,20 +41,42 @@ def draw_projection(num_rows: int, dim: int, generator: torch.Generator, orthogo
 
 
 class RandomProjectionMap(FeatureMap):
-    """A feature map holding one random projection buffer ``omega [m, D]``.
+    """A feature map holding one random projection ``omega [m, D]``.
 
     Drawn at construction (step 0) and by :meth:`redraw`; i.i.d. Gaussian or block-orthogonal
-    rows (``orthogonal``; ``None`` takes the class's ``default_orthogonal``).
+    rows (``orthogonal``; ``None`` takes the class's ``default_orthogonal``). With
+    ``learnable=True`` the step-0 draw only initialises an ``nn.Parameter`` that attention
+    transfer or fine-tuning then trains (the map is no longer an unbiased estimator, but keeps its
+    functional form); such a map cannot be redrawn.
     """
 
     default_orthogonal = False
 
-    def __init__(self, head_dim: int, num_features: int, seed: int = 0, orthogonal: bool | None = None, **kw) -> None:
+    def __init__(self, head_dim: int, num_features: int, seed: int = 0, orthogonal: bool | None = None, learnable: bool = False, **kw) -> None:
         super().__init__(head_dim, num_features, seed, **kw)
+        if not isinstance(learnable, bool):
+            raise ValueError(f"learnable must be True or False, got {learnable!r}")
         self.orthogonal = self.default_orthogonal if orthogonal is None else bool(orthogonal)
-        self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
+        self.learnable = learnable
+        if learnable:
+            self.omega = nn.Parameter(torch.zeros(num_features, head_dim))
+        else:
+            self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
+        self._drawn = False
         self.redraw(0)
+        self._drawn = True
+
+    def redraw(self, step: int) -> None:
+        if self.learnable and self._drawn:
+            raise ValueError(
+                f"{type(self).__name__} has learnable=True: its projections are trained parameters and cannot be "
+                "redrawn (use learnable=False for redrawn random features)"
+            )
+        super().redraw(step)
 
     def _draw(self, generator: torch.Generator) -> None:
         w = draw_projection(self.num_features, self.head_dim, generator, self.orthogonal)
         self.omega.copy_(w.to(self.omega.device))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", learnable=True" if self.learnable else "")
