@@ -46,6 +46,8 @@ class BenchArguments:
     skip_cls: bool = field(default=False, metadata={"help": "skip the classification part"})
     skip_lm: bool = field(default=False, metadata={"help": "skip the SmolLM2 part"})
     jobs: int = field(default=2, metadata={"help": "runs in parallel"})
+    reuse: bool = field(default=False, metadata={"help": "reuse a run folder's results.json when its command.txt holds the same command"})
+    threads: int = field(default=0, metadata={"help": "OMP/torch threads per run (0: library default); use 1 when jobs > 1"})
     cls_train_samples: int = field(default=640, metadata={"help": "Rotten Tomatoes training snippets"})
     cls_epochs: int = field(default=1, metadata={"help": "epochs over them"})
     cls_batch: int = field(default=16, metadata={"help": "batch size"})
@@ -53,10 +55,14 @@ class BenchArguments:
     cls_max_len: int = field(default=48, metadata={"help": "tokens per snippet (truncation)"})
     cls_eval_samples: int = field(default=600, metadata={"help": "test snippets evaluated (the first N)"})
     lm_block: int = field(default=128, metadata={"help": "tokens per LM block"})
+    lm_window: int = field(default=256, metadata={"help": "exact window of the converted SmolLM2"})
     lm_steps: int = field(default=12, metadata={"help": "LoRA optimizer steps"})
     lm_batch: int = field(default=2, metadata={"help": "LM batch size"})
     lm_lr: float = field(default=5e-4, metadata={"help": "LoRA learning rate"})
     lm_eval_blocks: int = field(default=12, metadata={"help": "held-out blocks for perplexity"})
+
+
+_OPTS = {"reuse": False, "threads": 0}
 
 
 def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> list[dict]:
@@ -68,16 +74,30 @@ def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> list[dict]:
 
 
 def run(cmd: list[str], out: str) -> dict:
-    """Run one recipe command; returns its results.json."""
-    logger.info("running: %s", shlex.join(cmd))
+    """Run one recipe command; returns its results.json. The command is recorded in
+    ``out/command.txt``; with ``--reuse`` a finished run of the identical command is not repeated."""
+    text = shlex.join(cmd)
+    done = os.path.join(out, "results.json")
+    record = os.path.join(out, "command.txt")
+    if _OPTS["reuse"] and os.path.isfile(done) and os.path.isfile(record):
+        with open(record) as f:
+            if f.read().strip() == text:
+                logger.info("reusing %s (same command)", done)
+                with open(done) as g:
+                    return json.load(g)
+    logger.info("running: %s", text)
     start = time.perf_counter()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if _OPTS["threads"]:
+        env["OMP_NUM_THREADS"] = str(_OPTS["threads"])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stderr[-4000:]}")
-    with open(os.path.join(out, "results.json")) as f:
+        raise RuntimeError(f"command failed ({proc.returncode}): {text}\n{proc.stderr[-4000:]}")
+    with open(done) as f:
         res = json.load(f)
     res["wall_seconds"] = time.perf_counter() - start
+    with open(record, "w") as f:
+        f.write(text + "\n")
     return res
 
 
@@ -134,7 +154,7 @@ def classification(a: BenchArguments) -> tuple[str, list[str]]:
 def language_model(a: BenchArguments) -> tuple[str, list[str]]:
     model = str(assets.smollm2_path())
     train_txt, eval_txt = str(assets.wikipedia_text_file("train")), str(assets.wikipedia_text_file("eval"))
-    rfa = ["--feature_map", "hedgehog", "--num_features", "32", "--window", "32", "--sinks", "4"]
+    rfa = ["--feature_map", "favor+", "--num_features", "256", "--window", str(a.lm_window), "--sinks", "4"]
     common = [
         sys.executable, os.path.join(HERE, "train_accelerate.py"), "--model_name_or_path", model, "--task", "causal-lm",
         "--train_file", train_txt, "--validation_file", eval_txt, "--max_seq_length", str(a.lm_block),
@@ -156,9 +176,9 @@ def language_model(a: BenchArguments) -> tuple[str, list[str]]:
         cmds.append(_display(cmd))
         logger.info("%s: perplexity %.2f", name, res["eval_perplexity"])
     lines = [
-        f"SmolLM2-135M-Instruct (30 layers, GQA 9/3 heads of dim 64) converted with hedgehog (m=32, learned), exact "
-        f"window 32 and 4 sinks in every layer; perplexity on the first {a.lm_eval_blocks} blocks of {a.lm_block} tokens of the "
-        f"held-out Wikipedia split. LoRA r=8 on q/k/v/o plus the feature maps (modules_to_save), {a.lm_steps} steps of batch "
+        f"SmolLM2-135M-Instruct (30 layers, GQA 9/3 heads of dim 64) converted on the fly with FAVOR+ (m=256), exact "
+        f"window {a.lm_window} and 4 sinks in every layer (the main job's conversion); perplexity on the first {a.lm_eval_blocks} blocks of {a.lm_block} tokens of the "
+        f"held-out Wikipedia split. LoRA r=8 on q/k/v/o (FAVOR+ has no trainable feature-map parameters), {a.lm_steps} steps of batch "
         f"{a.lm_batch} × {a.lm_block} tokens from the training split, lr {a.lm_lr:g}.",
         "",
         "| model | perplexity | eval loss | train time (s) |",
@@ -173,6 +193,7 @@ def main() -> None:
     (a,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     os.makedirs(a.output_dir, exist_ok=True)
+    _OPTS.update(reuse=a.reuse, threads=a.threads)
     sections = ["# Fine-tuning quality (CPU, measured)", "", f"Produced by `python training/benchmark_quality.py` on {os.cpu_count()} CPU cores "
                 "(a shared machine: times are pessimistic). Metrics are computed offline (`hf_rfa.train.metrics`), not with `evaluate.load`.", ""]
     all_cmds = []
