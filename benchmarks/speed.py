@@ -262,6 +262,7 @@ def write_tables(res: dict, out: Path) -> str:
     lines += [
         f"Command: `{env['command']}`  ",
         f"Device: {env['device']} ({env['cpu']}), torch {env['torch']}, threads {env['threads']}, "
+        f"compiled kernels {'on' if env.get('compile') else 'off'}, "
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end', '?')}.  ",
         f"B={B}, H={H}, d={D}, favor+ (m features), chunk_size={env['chunk_size']}. Times are medians of "
         "interleaved repetitions (ms); speed-up = SDPA time / hf_rfa time.",
