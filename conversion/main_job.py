@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = [
     "--feature-map", "favor+", "--num-features", "256", "--window", "256", "--sinks", "4", "--no-random-hybrid",
     "--context", "1024", "--lora-tokens", "8192", "--lora-context", "1024", "--lora-minutes", "6",
-    "--eval-contexts", "1024", "4096", "--eval-tokens", "8192", "--error-tokens", "1024",
+    "--eval-contexts", "1024", "4096", "--eval-tokens", "8192", "--error-tokens", "1024", "--eval-twin-max", "0",
 ]
 QUICK = [
     "--feature-map", "favor+", "--num-features", "128", "--window", "64", "--sinks", "4", "--no-random-hybrid",

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FLAGS = [
     "feature_map", "num_features", "window", "sinks", "transfer_tokens", "transfer_minutes", "lora_tokens", "lora_minutes",
     "calibration_text", "train_text", "eval_text", "context", "lora_context", "eval_tokens", "error_tokens", "eval_sentences",
-    "random_num_features", "transfer_queries", "transfer_lr", "lora_lr", "seed",
+    "random_num_features", "transfer_queries", "transfer_lr", "lora_lr", "eval_twin_max", "seed",
 ]
 
 
