@@ -54,6 +54,9 @@ class BenchArguments:
     cls_lr: float = field(default=1e-4, metadata={"help": "learning rate"})
     cls_max_len: int = field(default=48, metadata={"help": "tokens per snippet (truncation)"})
     cls_eval_samples: int = field(default=600, metadata={"help": "test snippets evaluated (the first N)"})
+    cls_converted: str | None = field(
+        default=None, metadata={"help": "also fine-tune this converted MiniLM checkpoint (e.g. a conversion/convert.py output) with the same budget"}
+    )
     lm_block: int = field(default=128, metadata={"help": "tokens per LM block"})
     lm_window: int = field(default=256, metadata={"help": "exact window of the converted SmolLM2"})
     lm_steps: int = field(default=12, metadata={"help": "LoRA optimizer steps"})
@@ -116,10 +119,20 @@ def classification(a: BenchArguments) -> tuple[str, list[str]]:
     lengths = [len(tok(t)["input_ids"]) for t in texts]
     mean_len = sum(lengths) / len(lengths)
     jobs, names = [], []
-    for name, extra in CLS_VARIANTS.items():
+    variants = {name: (model, extra) for name, extra in CLS_VARIANTS.items()}
+    if a.cls_converted:
+        from hf_rfa.config import CONFIG_ATTR
+        from transformers import AutoConfig
+
+        rc = getattr(AutoConfig.from_pretrained(a.cls_converted), CONFIG_ATTR, None)
+        if not rc:
+            raise ValueError(f"cls_converted={a.cls_converted!r} is not a converted (hf_rfa) checkpoint")
+        label = f"converted checkpoint ({rc['feature_map']} m={rc['num_features']}, window {rc['window']}, sinks {rc['sinks']})"
+        variants[label] = (a.cls_converted, [])
+    for name, (model_path, extra) in variants.items():
         out = os.path.join(a.output_dir, "cls-" + "".join(c if c.isalnum() else "_" for c in name))
         cmd = [
-            sys.executable, os.path.join(HERE, "train_accelerate.py"), "--model_name_or_path", model, "--task", "classification",
+            sys.executable, os.path.join(HERE, "train_accelerate.py"), "--model_name_or_path", model_path, "--task", "classification",
             "--train_file", train_csv, "--validation_file", test_csv, "--max_train_samples", str(a.cls_train_samples),
             "--max_seq_length", str(a.cls_max_len), "--per_device_train_batch_size", str(a.cls_batch), "--per_device_eval_batch_size", "64",
             "--num_train_epochs", str(a.cls_epochs), "--learning_rate", str(a.cls_lr), "--warmup_steps", "10", "--seed", "0",
