@@ -65,24 +65,21 @@ class BenchArguments:
     lm_eval_blocks: int = field(default=12, metadata={"help": "held-out blocks for perplexity"})
 
 
-_OPTS = {"reuse": False, "threads": 0}
-
-
-def run_all(jobs: list[tuple[list[str], str]], parallel: int) -> list[dict]:
-    """Run recipe commands, ``parallel`` at a time; results in order."""
+def run_all(jobs: list[tuple[list[str], str]], a: BenchArguments) -> list[dict]:
+    """Run recipe commands, ``a.jobs`` at a time; results in order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        return list(pool.map(lambda job: run(*job), jobs))
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        return list(pool.map(lambda job: run(*job, reuse=a.reuse, threads=a.threads), jobs))
 
 
-def run(cmd: list[str], out: str) -> dict:
+def run(cmd: list[str], out: str, reuse: bool = False, threads: int = 0) -> dict:
     """Run one recipe command; returns its results.json. The command is recorded in
     ``out/command.txt``; with ``--reuse`` a finished run of the identical command is not repeated."""
     text = shlex.join(cmd)
     done = os.path.join(out, "results.json")
     record = os.path.join(out, "command.txt")
-    if _OPTS["reuse"] and os.path.isfile(done) and os.path.isfile(record):
+    if reuse and os.path.isfile(done) and os.path.isfile(record):
         with open(record) as f:
             if f.read().strip() == text:
                 logger.info("reusing %s (same command)", done)
@@ -91,8 +88,8 @@ def run(cmd: list[str], out: str) -> dict:
     logger.info("running: %s", text)
     start = time.perf_counter()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if _OPTS["threads"]:
-        env["OMP_NUM_THREADS"] = str(_OPTS["threads"])
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"command failed ({proc.returncode}): {text}\n{proc.stderr[-4000:]}")
@@ -142,7 +139,7 @@ def classification(a: BenchArguments) -> tuple[str, list[str]]:
         jobs.append((cmd, out))
         names.append(name)
     rows, cmds = [], []
-    for name, (cmd, _), res in zip(names, jobs, run_all(jobs, a.jobs)):
+    for name, (cmd, _), res in zip(names, jobs, run_all(jobs, a)):
         rows.append((name, res["eval_accuracy"], res["eval_loss"], res["final_loss"], res["train_seconds"]))
         cmds.append(_display(cmd))
         logger.info("%s: accuracy %.4f (%.0f s)", name, res["eval_accuracy"], res["train_seconds"])
@@ -184,7 +181,7 @@ def language_model(a: BenchArguments) -> tuple[str, list[str]]:
     }
     jobs = [([*cmd, "--output_dir", os.path.join(a.output_dir, f"lm-{i}")], os.path.join(a.output_dir, f"lm-{i}")) for i, cmd in enumerate(runs.values())]
     rows, cmds = [], []
-    for name, (cmd, _), res in zip(runs, jobs, run_all(jobs, a.jobs)):
+    for name, (cmd, _), res in zip(runs, jobs, run_all(jobs, a)):
         rows.append((name, res["eval_perplexity"], res["eval_loss"], res.get("train_seconds", 0.0) if res["completed_steps"] else 0.0))
         cmds.append(_display(cmd))
         logger.info("%s: perplexity %.2f", name, res["eval_perplexity"])
@@ -206,7 +203,6 @@ def main() -> None:
     (a,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     os.makedirs(a.output_dir, exist_ok=True)
-    _OPTS.update(reuse=a.reuse, threads=a.threads)
     sections = ["# Fine-tuning quality (CPU, measured)", "", f"Produced by `python training/benchmark_quality.py` on {os.cpu_count()} CPU cores "
                 "(a shared machine: times are pessimistic). Metrics are computed offline (`hf_rfa.train.metrics`), not with `evaluate.load`.", ""]
     all_cmds = []

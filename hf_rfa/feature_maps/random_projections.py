@@ -62,12 +62,10 @@ class RandomProjectionMap(FeatureMap):
             self.omega = nn.Parameter(torch.zeros(num_features, head_dim))
         else:
             self.register_buffer("omega", torch.zeros(num_features, head_dim), persistent=True)
-        self._drawn = False
-        self.redraw(0)
-        self._drawn = True
+        FeatureMap.redraw(self, 0)  # the initial draw (also of learnable maps)
 
     def redraw(self, step: int) -> None:
-        if self.learnable and self._drawn:
+        if self.learnable:
             raise ValueError(
                 f"{type(self).__name__} has learnable=True: its projections are trained parameters and cannot be "
                 "redrawn (use learnable=False for redrawn random features)"
