@@ -169,6 +169,76 @@ def test_fused_path_gradients(name):
         assert rel(a, c) <= GRAD_FP32
 
 
+# ---- the inference form (no autograd, reused workspace) vs the autograd form ---------------------
+@pytest.mark.parametrize("name", ["favor+", "favor++", "hedgehog", "rff"])
+@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
+def test_inference_form_matches_autograd_form(name, h, hkv):
+    """The same call with an autograd graph (``linear._causal_block``) and without one
+    (``causal_infer.causal_block_into`` on a reused workspace, output normalised in place): two
+    full blocks and a short one, padded keys, GQA."""
+    gen = torch.Generator().manual_seed(11)
+    b, n, d = 2, 2 * 128 + 37, 16
+    q, k, v = (torch.randn(b, hh, n, d, generator=gen) for hh in (h, hkv, hkv))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, :20] = False
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=16)
+    from hf_rfa.ops import linear
+
+    old = linear.DEFAULT_BLOCK_SIZE
+    linear.DEFAULT_BLOCK_SIZE = 128
+    try:
+        qg = q.clone().requires_grad_()
+        slow = hf_rfa.random_feature_attention(qg, k, v, fm, causal=True, attention_mask=mask, chunk_size=32).detach()
+        with torch.no_grad():
+            fast = hf_rfa.random_feature_attention(q, k, v, fm, causal=True, attention_mask=mask, chunk_size=32)
+            part_g, st_g = causal_feature_attention(fm, q.requires_grad_(), k, v, mask, chunk_size=32)
+        q.requires_grad_(False)
+        part, st = causal_feature_attention(fm, q, k, v, mask, chunk_size=32)
+    finally:
+        linear.DEFAULT_BLOCK_SIZE = old
+    ref = quadratic_kernel_attention(q, k, v, fm, causal=True, attention_mask=mask)
+    sel = mask.view(b, 1, n, 1).expand(fast.shape)
+    assert rel(fast[sel], slow[sel]) <= ORACLE_FP32
+    assert rel(fast[sel], ref[sel]) <= ORACLE_FP32
+    assert rel(out_of(part), out_of(part_g)) <= ORACLE_FP32 and rel(st.S, st_g.S) <= ORACLE_FP32
+
+
+def test_workspace_is_reused_and_released():
+    from hf_rfa.ops import causal_infer
+
+    causal_infer.release_workspaces()
+    gen = torch.Generator().manual_seed(12)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
+    q, k, v = (torch.randn(1, 2, 1100, 8, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        a = hf_rfa.random_feature_attention(q, k, v, fm)
+        ws = causal_infer._CACHE.ws[1]
+        b = hf_rfa.random_feature_attention(q, k, v, fm)
+        assert causal_infer._CACHE.ws[1] is ws  # same shape: same buffers
+        hf_rfa.random_feature_attention(q[:, :1], k[:, :1], v[:, :1], fm)  # another shape replaces it
+        assert causal_infer._CACHE.ws[1] is not ws
+    assert torch.equal(a, b)  # reusing buffers changes nothing
+    causal_infer.release_workspaces()
+    assert causal_infer._CACHE.ws is None
+
+
+def _true_features(f):
+    return f.phi if f.log_scale is None else f.phi * torch.exp(f.log_scale).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("name", sorted(hf_rfa.available_feature_maps()))
+def test_features_into_equals_forward(name):
+    gen = torch.Generator().manual_seed(13)
+    fm = hf_rfa.build_feature_map(name, head_dim=8, num_features=8, num_heads=2)
+    x = 0.5 * torch.randn(1, 2, 10, 8, generator=gen)
+    for is_query in (True, False):
+        want = fm.forward_queries(x) if is_query else fm.forward_keys(x)
+        buf = torch.empty_like(want.phi)
+        got = fm.features_into(x.clone(), buf, is_query)
+        assert got.phi.data_ptr() == buf.data_ptr()
+        assert rel(_true_features(got), _true_features(want)) <= ORACLE_FP32
+
+
 # ---- compiled inference kernels (hf_rfa.set_compile) --------------------------------------------
 @pytest.fixture
 def compiled_kernels():

@@ -127,6 +127,15 @@ class FeatureMap(nn.Module):
         """``x [B, Hkv, N, D]`` (already multiplied by √scale) → :class:`Features`."""
         raise NotImplementedError
 
+    def features_into(self, x: torch.Tensor, out: torch.Tensor, is_query: bool) -> Features:
+        """Features of ``x`` for inference (no autograd), with ``phi`` written into the
+        preallocated ``out [B, H, N, F]`` where the map can (saves an allocation per block of the
+        causal scan). The default computes them as usual and copies; the result's ``phi`` is
+        always ``out``.
+        """
+        f = self.forward_queries(x) if is_query else self.forward_keys(x)
+        return Features(out.copy_(f.phi), f.log_scale)
+
     def log_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For gated maps: ``(log g, log(1-g))`` each ``[B, Hkv, N]`` from keys ``x``."""
         raise NotImplementedError

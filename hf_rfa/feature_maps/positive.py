@@ -48,6 +48,11 @@ def _positive_features(proj: torch.Tensor, token_term: torch.Tensor) -> Features
     return Features(proj.sub_(c.unsqueeze(-1)).exp_(), c + token_term)  # no graph: in place
 
 
+def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
+    """‖x‖²/2 over the last axis without a temporary of x's size."""
+    return torch.linalg.vector_norm(x, dim=-1).square_().mul_(0.5) if not (torch.is_grad_enabled() and x.requires_grad) else 0.5 * x.pow(2).sum(-1)
+
+
 def _bounded_exp(proj: torch.Tensor, token_term: torch.Tensor) -> Features:
     """The pure form of :func:`_positive_features` that :mod:`hf_rfa.ops.kernels` compiles."""
     c = proj.amax(dim=-1)
@@ -65,16 +70,22 @@ class PositiveRandomFeatures(RandomProjectionMap):
     def feature_dim(self) -> int:
         return self.num_features
 
-    def _log_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ωᵀx [B,H,N,m], −‖x‖²/2 − ½ log m [B,H,N])``."""
+    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ωᵀx [B,H,N,m], −‖x‖²/2 − ½ log m [B,H,N])``; ``out``: where to write ωᵀx (no autograd)."""
         x = upcast(x)
-        proj = x @ self.omega.to(x.dtype).T  # [B,H,N,m]
-        return proj, -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(self.num_features)
+        proj = torch.matmul(x, self.omega.to(x.dtype).T, out=out)  # [B,H,N,m]
+        return proj, _half_sq_norm(x).neg_().sub_(0.5 * math.log(self.num_features))
 
     def forward_queries(self, x: torch.Tensor) -> Features:
         return _positive_features(*self._log_features(x))
 
     forward_keys = forward_queries
+
+    def features_into(self, x: torch.Tensor, out: torch.Tensor, is_query: bool) -> Features:
+        with torch.no_grad():
+            proj, token_term = self._log_features(x, out)
+            c = proj.amax(dim=-1)
+            return Features(proj.sub_(c.unsqueeze(-1)).exp_(), c.add_(token_term))
 
 
 @register_feature_map("favor+")
@@ -111,14 +122,17 @@ class FavorPlusPlus(PositiveRandomFeatures):
         self.rho.fill_(max(rho, 0.0))
         return rho
 
-    def _log_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = upcast(x)
         a = self.optimal_a(self.rho.to(x.dtype))
         w = self.omega.to(x.dtype)
         # A‖ω_j‖² varies over features: it belongs to the per-feature part
-        proj = (x @ w.T) * torch.sqrt(1 - 4 * a) + a * w.pow(2).sum(-1)
+        if out is None:
+            proj = (x @ w.T) * torch.sqrt(1 - 4 * a) + a * w.pow(2).sum(-1)
+        else:  # inference into a buffer: in place
+            proj = torch.matmul(x, w.T, out=out).mul_(torch.sqrt(1 - 4 * a)).add_(a * w.pow(2).sum(-1))
         const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
-        return proj, const - 0.5 * x.pow(2).sum(-1)
+        return proj, const - _half_sq_norm(x)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rho={float(self.rho):.3f}"

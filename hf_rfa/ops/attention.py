@@ -69,13 +69,13 @@ def random_feature_attention(
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
     n = q.shape[2]
     root = scale**0.5
-    xq = q.to(ct) * root
-    xk = k.to(ct) * root
     vv = v.to(ct)
-
     # pure causal feature part (no window shift): features are computed block by block inside
-    # causal_feature_attention, never for the whole sequence at once
+    # causal_feature_attention (which also scales q and k block by block), never for the whole
+    # sequence at once
     fused = causal and window == 0
+    if not fused or sinks > 0 or feature_map.has_gate:
+        xq, xk = q.to(ct) * root, k.to(ct) * root
     qf = lq = kf = lk = lq_add = lk_add = None
     if not fused:
         fq = feature_map.forward_queries(xq)
@@ -106,11 +106,16 @@ def random_feature_attention(
             lk = torch.where(feat_mask[:, None, :], lk, torch.full_like(lk, NEG))
 
     parts: list[Partial] = []
+    fused_out = None
     if window > 0 or sinks > 0:
         parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
     if window < n:
         if fused:
-            parts.append(causal_feature_attention(feature_map, xq, xk, vv, feat_mask, lq_add, lk_add, chunk_size)[0])
+            # alone (no exact part to merge with), the output is normalised straight into place
+            fused_out = q.new_empty(b, hkv, g, n, vv.shape[-1], dtype=ct) if not parts else None
+            part = causal_feature_attention(feature_map, q.to(ct), k.to(ct), vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out)[0]
+            if part is not None:
+                parts.append(part)
         elif causal:
             ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
             ls = shift_keys(lk, window, NEG) if lk is not None else None
@@ -126,6 +131,8 @@ def random_feature_attention(
             lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
             rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
             parts.append(Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3)))
+    if fused_out is not None:
+        return fused_out.reshape(b, h, n, -1)[:, :, n - nq :].to(out_dtype)
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)

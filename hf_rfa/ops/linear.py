@@ -31,8 +31,9 @@ from typing import Callable
 import torch
 
 from . import kernels
+from .causal_infer import BlockWorkspace, causal_block_into, workspace
 from .masks import NEG
-from .partial import Partial
+from .partial import Partial, finalize
 from .recurrent import LinearState
 
 #: tokens per block of the causal form (rounded down to a multiple of the chunk size)
@@ -56,6 +57,11 @@ def bidirectional_linear(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Te
     den = (qf * z[:, :, None, None, :]).sum(-1)
     ls = ref[:, :, None, None].expand(den.shape)
     return Partial(num, den, ls if lq is None else ls + lq)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether an autograd graph would be recorded through any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _with_ones(v: torch.Tensor) -> torch.Tensor:
@@ -174,22 +180,33 @@ def _split(x: torch.Tensor | None, sizes: list[int], dim: int) -> list | tuple:
 
 
 def _causal_scan(
-    get: Callable[[int], _Block],
+    get: Callable[[int, BlockWorkspace | None], _Block],
     plan: list[tuple[int, int]],
     state: LinearState,
     scaled: bool,
-) -> tuple[Partial, LinearState]:
-    """Run :func:`_causal_block` over the blocks of ``plan``; ``get(i)`` returns block i's
-    ``(qf, lq, kf, lk, v)``. ``scaled``: whether ``lk`` is given (else all key log scales are 0)."""
+    g: int,
+    infer: bool = False,
+    dest: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[Partial | None, LinearState]:
+    """Run the block step over the blocks of ``plan``; ``get(i, ws)`` returns block i's
+    ``(qf, lq, kf, lk, v)`` (and may write its features into the workspace ``ws`` when one is
+    given). ``scaled``: whether ``lk`` is given (else all key log scales are 0). ``infer``: no
+    autograd graph is needed — full blocks then run :func:`causal_block_into` on one reused
+    workspace (unless the compiled kernels are enabled). ``dest [B,Hkv,G,N,Dv]``: write the
+    normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial."""
     S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1)  # [B,Hkv,F,Dv+1]
     ref = state.ref
     if not scaled:  # unscaled features: everything at log scale 0
         new_ref = ref.clamp_min(0.0)
         S, ref = S * torch.exp(ref - new_ref)[..., None, None], new_ref
+    if infer and not kernels.compile_enabled() and not torch.compiler.is_compiling():
+        with torch.no_grad():
+            return _causal_scan_into(get, plan, state, S, ref, scaled, g, dest, eps)
     outs, lss, lqs = [], [], []
     full = plan[0]
     for i, (t, c) in enumerate(plan):
-        qf, lq, kf, lk, v = get(i)
+        qf, lq, kf, lk, v = get(i, None)
         if not scaled:
             lk = None
         # only full-size blocks go to the compiled kernel (one shape: no recompilation)
@@ -200,11 +217,56 @@ def _causal_scan(
         lqs.append(lq)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
     ls = lss[0] if len(lss) == 1 else torch.cat(lss, dim=-1)
+    part, st = _finish(out, ls, lqs, S, ref, state)
+    if dest is None:
+        return part, st
+    dest.copy_(finalize(part, eps))
+    return None, st
+
+
+def _finish(out, ls, lqs, S, ref, state: LinearState) -> tuple[Partial, LinearState]:
+    """Partial and state from the scan's ``out [B,Hkv,G,N,Dv+1]``, ``ls [B,Hkv,G,N]``, the blocks'
+    query log scales and the final ``S [B,Hkv,F,Dv+1]``, ``ref``."""
     if lqs and lqs[0] is not None:
         ls = ls + (lqs[0] if len(lqs) == 1 else torch.cat(lqs, dim=-1))
     dv = out.shape[-1] - 1
     part = Partial(out[..., :dv], out[..., dv], ls)
     return part, LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+
+
+def _causal_scan_into(get, plan, state: LinearState, S, ref, scaled: bool, g: int, dest, eps: float) -> tuple[Partial | None, LinearState]:
+    """:func:`_causal_scan` without autograd: full blocks run :func:`causal_block_into` on one
+    (cached) :class:`BlockWorkspace` and write into one preallocated result — the Partial's
+    ``[num, den]`` buffer, or the normalised output ``dest`` directly."""
+    b, hkv, f, dv1 = S.shape
+    n = sum(t for t, _ in plan)
+    t_full, c_full = plan[0]
+    out = torch.empty(b, hkv, g, n, dv1, dtype=S.dtype, device=S.device) if dest is None else None
+    ls_k = torch.empty(b, hkv, n, dtype=S.dtype, device=S.device)
+    ws = workspace(b, hkv, g, t_full, c_full, f, dv1, S.dtype, S.device) if t_full > c_full else None
+    lqs, t0 = [], 0
+    for i, (t, c) in enumerate(plan):
+        full = ws is not None and (t, c) == (t_full, c_full)  # single-chunk blocks gain nothing
+        qf, lq, kf, lk, v = get(i, ws if full else None)
+        if not scaled:
+            lk = None
+        o_blk = out[:, :, :, t0 : t0 + t] if dest is None else dest[:, :, :, t0 : t0 + t]
+        if full:
+            S, ref = causal_block_into(ws, qf, kf, lk, v, S, ref, o_blk, ls_k[:, :, t0 : t0 + t], eps if dest is not None else None)
+        else:
+            o, ls, S, ref = _block_step(qf, lq, kf, lk, v, S, ref, c)
+            if dest is None:
+                o_blk.copy_(o)
+            else:
+                torch.div(o[..., : dv1 - 1], o[..., dv1 - 1 :].clamp_min(eps), out=o_blk)
+            ls_k[:, :, t0 : t0 + t].copy_(ls[:, :, 0])
+        lqs.append(lq)
+        t0 += t
+    if dest is not None:
+        dv = dv1 - 1
+        return None, LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+    ls = ls_k.unsqueeze(2).expand(b, hkv, g, n)
+    return _finish(out, ls, lqs, S, ref, state)
 
 
 def causal_linear(
@@ -233,10 +295,11 @@ def causal_linear(
     sizes = [p[0] for p in plan]
     qs, lqs, ks, lks, vs = _split(qf, sizes, 3), _split(lq, sizes, -1), _split(kf, sizes, 2), _split(lk, sizes, -1), _split(v, sizes, 2)
 
-    def get(i: int) -> _Block:
+    def get(i: int, ws: BlockWorkspace | None) -> _Block:
         return qs[i], lqs[i], ks[i], lks[i], vs[i]
 
-    return _causal_scan(get, plan, state, lk is not None)
+    infer = not _needs_grad(qf, lq, kf, lk, v, state.S, state.z, state.ref)
+    return _causal_scan(get, plan, state, lk is not None, g, infer)
 
 
 def causal_feature_attention(
@@ -250,10 +313,13 @@ def causal_feature_attention(
     chunk_size: int = 64,
     state: LinearState | None = None,
     block_size: int | None = None,
-) -> tuple[Partial, LinearState]:
+    x_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> tuple[Partial | None, LinearState]:
     """Fused features + causal linear attention: the feature map is applied block by block.
 
-    xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (already multiplied by √scale), v ``[B, Hkv, N, Dv]``,
+    xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (multiplied by ``x_scale`` block by block before the
+    feature map: pass √scale here, or 1.0 for inputs already scaled), v ``[B, Hkv, N, Dv]``,
     key_mask ``[B, N]`` bool (False: key skipped) or None, optional log-scale offsets added to the
     features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
@@ -266,7 +332,7 @@ def causal_feature_attention(
     fdim, dv = feature_map.feature_dim, v.shape[-1]
     if n == 0:
         raise ValueError("causal_feature_attention needs N >= 1")
-    probe_k = feature_map.forward_keys(xk[:, :, :1])
+    probe_k = feature_map.forward_keys(xk[:, :, :1] * x_scale)
     scaled = probe_k.log_scale is not None or lk_add is not None
     dtype = probe_k.phi.dtype
     if state is None:
@@ -277,10 +343,17 @@ def causal_feature_attention(
     xqs, xks, vs = _split(xq, sizes, 2), _split(xk, sizes, 2), _split(v, sizes, 2)
     kms, lqas, lkas = _split(key_mask, sizes, 1), _split(lq_add, sizes, -1), _split(lk_add, sizes, -1)
 
-    def get(i: int) -> _Block:
+    def get(i: int, ws: BlockWorkspace | None) -> _Block:
         t = sizes[i]
-        fq = feature_map.forward_queries(xqs[i])
-        fk = feature_map.forward_keys(xks[i])
+        xqb, xkb = xqs[i], xks[i]
+        if ws is None:
+            if x_scale != 1.0:
+                xqb, xkb = xqb * x_scale, xkb * x_scale
+            fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
+        else:  # inference: scaled inputs and features straight into the workspace
+            xqb = torch.mul(xqb, x_scale, out=ws.buffer("xq", *xqb.shape))
+            xkb = torch.mul(xkb, x_scale, out=ws.buffer("xk", *xkb.shape))
+            fq, fk = feature_map.features_into(xqb, ws.q_heads, True), feature_map.features_into(xkb, ws.k, False)
         qf = fq.phi.reshape(b, hkv, g, t, -1)
         lq = fq.log_scale.reshape(b, hkv, g, t) if fq.log_scale is not None else None
         kf, lk = fk.phi, fk.log_scale
@@ -290,12 +363,14 @@ def causal_feature_attention(
             lk = lkas[i] if lk is None else lk + lkas[i]
         if kms[i] is not None:
             km = kms[i][:, None]
-            kf = kf * km.unsqueeze(-1)
+            kf = kf.mul_(km.unsqueeze(-1)) if ws is not None else kf * km.unsqueeze(-1)
             if lk is not None:
                 lk = torch.where(km, lk, torch.full_like(lk, NEG))
         return qf, lq, kf, lk, vs[i]
 
-    return _causal_scan(get, plan, state, scaled)
+    params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
+    infer = not _needs_grad(xq, xk, v, lq_add, lk_add, state.S, state.z, state.ref, *params)
+    return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps)
 
 
 def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
