@@ -127,12 +127,13 @@ class FeatureMap(nn.Module):
         """``x [B, Hkv, N, D]`` (already multiplied by √scale) → :class:`Features`."""
         raise NotImplementedError
 
-    def features_into(self, x: torch.Tensor, out: torch.Tensor, is_query: bool) -> Features:
-        """Features of ``x`` for inference (no autograd), with ``phi`` written into the
-        preallocated ``out [B, H, N, F]`` where the map can (saves an allocation per block of the
-        causal scan). The default computes them as usual and copies; the result's ``phi`` is
-        always ``out``.
+    def features_into(self, x: torch.Tensor, out: torch.Tensor, is_query: bool, x_scale: float = 1.0) -> Features:
+        """Features of ``x * x_scale`` for inference (no autograd), with ``phi`` written into the
+        preallocated ``out [B, H, N, F]`` (saves allocations per block of the causal scan; maps
+        may fold ``x_scale`` into their parameters instead of scaling ``x``). The default scales,
+        computes the features as usual and copies; the result's ``phi`` is always ``out``.
         """
+        x = x * x_scale if x_scale != 1.0 else x
         f = self.forward_queries(x) if is_query else self.forward_keys(x)
         return Features(out.copy_(f.phi), f.log_scale)
 

@@ -27,6 +27,7 @@ import math
 import torch
 
 from ..ops.kernels import active as _kernel_active, compiled as _compiled
+from ..ops.masks import exp_floor
 from .base import Features, upcast
 from .random_projections import RandomProjectionMap
 from .registry import register_feature_map
@@ -70,22 +71,25 @@ class PositiveRandomFeatures(RandomProjectionMap):
     def feature_dim(self) -> int:
         return self.num_features
 
-    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ωᵀx [B,H,N,m], −‖x‖²/2 − ½ log m [B,H,N])``; ``out``: where to write ωᵀx (no autograd)."""
+    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ωᵀx [B,H,N,m], −‖x‖²/2 − ½ log m [B,H,N])`` of ``x * x_scale``; ``out``: where to
+        write ωᵀx (no autograd). The scale multiplies ω and the norm, never x."""
         x = upcast(x)
-        proj = torch.matmul(x, self.omega.to(x.dtype).T, out=out)  # [B,H,N,m]
-        return proj, _half_sq_norm(x).neg_().sub_(0.5 * math.log(self.num_features))
+        w = self.omega.to(x.dtype)
+        proj = torch.matmul(x, (w * x_scale if x_scale != 1.0 else w).T, out=out)  # [B,H,N,m]
+        return proj, _half_sq_norm(x).mul_(-(x_scale**2)).sub_(0.5 * math.log(self.num_features))
 
     def forward_queries(self, x: torch.Tensor) -> Features:
         return _positive_features(*self._log_features(x))
 
     forward_keys = forward_queries
 
-    def features_into(self, x: torch.Tensor, out: torch.Tensor, is_query: bool) -> Features:
+    def features_into(self, x: torch.Tensor, out: torch.Tensor, is_query: bool, x_scale: float = 1.0) -> Features:
         with torch.no_grad():
-            proj, token_term = self._log_features(x, out)
+            proj, token_term = self._log_features(x, out, x_scale)
             c = proj.amax(dim=-1)
-            return Features(proj.sub_(c.unsqueeze(-1)).exp_(), c.add_(token_term))
+            # floored exponents: features < 1.2e-38 of the token's largest would be denormals (slow)
+            return Features(proj.sub_(c.unsqueeze(-1)).clamp_min_(exp_floor(proj.dtype)).exp_(), c.add_(token_term))
 
 
 @register_feature_map("favor+")
@@ -122,17 +126,18 @@ class FavorPlusPlus(PositiveRandomFeatures):
         self.rho.fill_(max(rho, 0.0))
         return rho
 
-    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         x = upcast(x)
         a = self.optimal_a(self.rho.to(x.dtype))
         w = self.omega.to(x.dtype)
         # A‖ω_j‖² varies over features: it belongs to the per-feature part
         if out is None:
-            proj = (x @ w.T) * torch.sqrt(1 - 4 * a) + a * w.pow(2).sum(-1)
-        else:  # inference into a buffer: in place
-            proj = torch.matmul(x, w.T, out=out).mul_(torch.sqrt(1 - 4 * a)).add_(a * w.pow(2).sum(-1))
+            xs = x * x_scale if x_scale != 1.0 else x
+            proj = (xs @ w.T) * torch.sqrt(1 - 4 * a) + a * w.pow(2).sum(-1)
+        else:  # inference into a buffer: in place, √(1−4A)·x_scale folded into ω
+            proj = torch.matmul(x, (w * (torch.sqrt(1 - 4 * a) * x_scale)).T, out=out).add_(a * w.pow(2).sum(-1))
         const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
-        return proj, const - _half_sq_norm(x)
+        return proj, const - _half_sq_norm(x) * x_scale**2
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rho={float(self.rho):.3f}"

@@ -23,6 +23,8 @@ import threading
 
 import torch
 
+from .masks import exp_floor
+
 _CACHE = threading.local()
 
 
@@ -51,17 +53,11 @@ class BlockWorkspace:
         self.out = torch.empty(n3, g * c, dv1, **kw)
         dev = device
         self.drop = torch.ones(c, c, dtype=torch.bool, device=dev).triu(1)  # s > t: masked
+        self.keep = (~self.drop).to(dtype)  # 1 for s <= t, 0 above the diagonal
+        self.floor = exp_floor(dtype)
+        self.S = torch.empty(b * hkv, f * dv1, **kw)  # the state between blocks
         self.lower = torch.ones(nc, nc, dtype=dtype, device=dev).tril(-1).expand(b * hkv, nc, nc)
         self.upper = torch.ones(nc, nc, dtype=torch.bool, device=dev).triu()  # j >= i: not yet folded
-
-        self._extra: dict[str, torch.Tensor] = {}
-
-    def buffer(self, name: str, *shape: int) -> torch.Tensor:
-        """An extra named buffer (e.g. the block's scaled queries), allocated on first use."""
-        buf = self._extra.get(name)
-        if buf is None or tuple(buf.shape) != shape:
-            buf = self._extra[name] = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
-        return buf
 
 
 def workspace(b: int, hkv: int, g: int, t: int, c: int, f: int, dv1: int, dtype: torch.dtype, device) -> BlockWorkspace:
@@ -102,7 +98,8 @@ def causal_block_into(
     ``qf``/``kf`` may already be ``ws.q_heads``/``ws.k`` (then nothing is copied). With ``eps``,
     ``out [B,Hkv,G,T,Dv]`` receives the normalised output ``num / max(den, eps)`` instead.
 
-    Returns the outgoing ``(S', ref')`` (fresh tensors).
+    Returns the outgoing ``(S', ref')``; ``S'`` is a view of ``ws.S`` (clone it before the
+    workspace is reused by another call).
     """
     b, hkv, g, t, c, f, dv1 = ws.shape
     nc = t // c
@@ -123,7 +120,7 @@ def causal_block_into(
         U = torch.bmm(k3.transpose(1, 2), v3, out=ws.U).view(bh, nc, f * dv1)
         P = torch.bmm(ws.lower, U, out=ws.P.view(bh, nc, f * dv1))
         P.add_(S.reshape(bh, 1, f * dv1))
-        S_out = P[:, -1] + U[:, -1]
+        S_out = torch.add(P[:, -1], U[:, -1], out=ws.S)  # S is consumed
         res = torch.bmm(q3, ws.P, out=ws.out)
         res.baddbmm_(ws.scores, v3)
         _emit(res, out, eps, ws.shape)
@@ -135,8 +132,9 @@ def causal_block_into(
     r_end = mtc[:, -1].view(bh, nc)  # reference of each chunk's state
     r_in = torch.cat([ref.reshape(bh, 1), r_end[:, :-1]], dim=-1)  # reference entering chunk i
     # intra-chunk decay exp(lk_s − mt_t) ≤ 1 for s ≤ t; exact 0 above the diagonal
-    d = torch.sub(lkc.unsqueeze(-2), mtc.unsqueeze(-1), out=ws.decay)
-    d.masked_fill_(ws.drop, 0.0).exp_().masked_fill_(ws.drop, 0.0)
+    # (clamped to ≤ 0 before the exp: no overflow above the diagonal, which is then zeroed; and
+    # to ≥ exp_floor: no denormals, which would make exp 50× slower)
+    d = torch.sub(lkc.unsqueeze(-2), mtc.unsqueeze(-1), out=ws.decay).clamp_(ws.floor, 0.0).exp_().mul_(ws.keep)
     scores.mul_(d.unsqueeze(1))
     # chunk increments relative to their chunk-end reference, the weight on [v, 1]
     torch.mul(v3, torch.exp(lkc - r_end.reshape(n3, 1)).unsqueeze(-1), out=ws.wv)
@@ -146,7 +144,7 @@ def causal_block_into(
     carry = torch.exp(ref.reshape(bh, 1) - r_in)  # ≤ 1
     P = torch.bmm(D, U, out=ws.P.view(bh, nc, f * dv1))
     P.addcmul_(carry.unsqueeze(-1), S.reshape(bh, 1, f * dv1))
-    S_out = torch.addcmul(U[:, -1], P[:, -1], torch.exp(r_in[:, -1:] - r_end[:, -1:]))
+    S_out = torch.addcmul(U[:, -1], P[:, -1], torch.exp(r_in[:, -1:] - r_end[:, -1:]), out=ws.S)  # S is consumed
     res = torch.bmm(q3, ws.P, out=ws.out)
     res.view(n3, g, c, dv1).mul_(torch.exp(r_in.reshape(n3, 1) - mtc)[:, None, :, None])  # ≤ 1
     res.baddbmm_(ws.scores, v3)

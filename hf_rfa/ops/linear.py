@@ -262,6 +262,8 @@ def _causal_scan_into(get, plan, state: LinearState, S, ref, scaled: bool, g: in
             ls_k[:, :, t0 : t0 + t].copy_(ls[:, :, 0])
         lqs.append(lq)
         t0 += t
+    if ws is not None and S.data_ptr() == ws.S.data_ptr():
+        S = S.clone()  # the workspace outlives this call
     if dest is not None:
         dv = dv1 - 1
         return None, LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
@@ -350,10 +352,9 @@ def causal_feature_attention(
             if x_scale != 1.0:
                 xqb, xkb = xqb * x_scale, xkb * x_scale
             fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
-        else:  # inference: scaled inputs and features straight into the workspace
-            xqb = torch.mul(xqb, x_scale, out=ws.buffer("xq", *xqb.shape))
-            xkb = torch.mul(xkb, x_scale, out=ws.buffer("xk", *xkb.shape))
-            fq, fk = feature_map.features_into(xqb, ws.q_heads, True), feature_map.features_into(xkb, ws.k, False)
+        else:  # inference: features straight into the workspace (the map applies x_scale)
+            fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
+            fk = feature_map.features_into(xkb, ws.k, False, x_scale)
         qf = fq.phi.reshape(b, hkv, g, t, -1)
         lq = fq.log_scale.reshape(b, hkv, g, t) if fq.log_scale is not None else None
         kf, lk = fk.phi, fk.log_scale
