@@ -59,13 +59,13 @@ def rfa_causal_flops(n: int, m: int, d: int = D, dv: int = D, heads: int = H, ba
 
     per head and token: features 2·(2·d·m) (q and k projections) + intra-chunk 2·C·F (scores,
     full C×C tile) + 2·C·(Dv+1) (tile × [v, 1]) + inter-chunk 2·F·(Dv+1) (queries × prefix state)
-    + state increments 2·F·(Dv+1) (φ(k)ᵀ [v, 1]) + prefix combination 2·(L+1)·F·(Dv+1)/C
-    (the [L+1, L] decay matrix × chunk increments, L = block/C chunks per block).
+    + state increments 2·F·(Dv+1) (φ(k)ᵀ [v, 1]) + prefix combination 2·L·F·(Dv+1)/C
+    (the [L, L] decay matrix × chunk increments, L = block/C chunks per block).
     Elementwise work (exp, max, scaling) is not counted.
     """
     f, c = m, chunk
     lpb = max(1, block // c)
-    per_tok = 4 * d * m + 2 * c * f + 2 * c * (dv + 1) + 4 * f * (dv + 1) + 2 * (lpb + 1) * f * (dv + 1) / c
+    per_tok = 4 * d * m + 2 * c * f + 2 * c * (dv + 1) + 4 * f * (dv + 1) + 2 * lpb * f * (dv + 1) / c
     return float(per_tok) * n * heads * batch
 
 

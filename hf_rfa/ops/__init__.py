@@ -2,6 +2,8 @@
 
 - ``reference``: exact softmax and the quadratic kernelised form (test oracles)
 - ``linear``: bidirectional and chunkwise-parallel causal linear attention on features
+- ``causal_infer``: the inference form of the causal block step (reused workspace, no autograd)
+- ``kernels``: optional ``torch.compile`` of inner functions (off by default)
 - ``recurrent``: the one-step form with an explicit state (decoding, prefix folding)
 - ``hybrid``: exact softmax over a local window and attention sinks
 - ``partial``: log-space partial results merged under one normaliser
@@ -9,6 +11,7 @@
 """
 
 from .attention import random_feature_attention
+from .causal_infer import release_workspaces
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
@@ -25,6 +28,7 @@ __all__ = [
     "quadratic_kernel_attention",
     "random_feature_attention",
     "read",
+    "release_workspaces",
     "shift_keys",
     "softmax_attention",
 ]

@@ -1,5 +1,5 @@
 """The inference form of the causal block step: same math as ``linear._causal_block``, no
-autograd, every intermediate written into buffers allocated once per call.
+autograd, every intermediate written into buffers that are allocated once and reused.
 
 Why a second form: on a CPU the block step is a handful of mid-sized batched matmuls and
 elementwise passes over tensors of a few MB each. Allocating those tensors afresh for every
@@ -7,7 +7,10 @@ block makes the allocator hand back fresh pages from the OS, and the page faults
 ~60 MB per call at N = 2048, H = 12, m = 256) cost about a third of the run. Here one
 :class:`BlockWorkspace` holds the buffers of a full block and every block reuses them
 (``torch.bmm(..., out=)``, in-place elementwise ops), and the outputs of all blocks are written
-into one preallocated result (no concatenation at the end).
+into one preallocated result (no concatenation at the end). The calling thread keeps its last
+workspace for the next call of the same shape (the layers of a model, repeated prefills); it
+holds ``B·Hkv·T·(G·F + F + …)`` floats, about 30 MB at B=1, H=12, T=512, F=256, until
+:func:`release_workspaces` or a call of another shape replaces it.
 
 Used by ``linear._causal_scan`` for full-size blocks when no autograd graph is recorded; the
 autograd form ``linear._causal_block`` is its reference twin (``tests/test_speed_paths.py``).

@@ -1,9 +1,12 @@
 """Optional ``torch.compile`` of the elementwise-heavy inner functions (inference only).
 
 The causal linear path is a handful of matmuls surrounded by elementwise passes (feature
-exponentials, running-max decays, masks). In eager mode each pass is a separate read and write
-of a ``[T, F]`` block; Inductor fuses them into one loop around the matmuls, which measured
-1.5–2.3× faster per block on a CPU (see ``benchmarks/results/speed.md``).
+exponentials, running-max decays, masks). Inductor fuses the elementwise passes into loops
+around the matmuls. On this project's CPU the default eager inference form
+(:mod:`hf_rfa.ops.causal_infer`: reused buffers, in-place passes) has since measured faster
+than the compiled functional block step (N = 16384, H = 12, m = 256: 276 vs 320 ms; see
+``benchmarks/results/speed.md``), so compiling is an opt-in for other devices and experiments:
+when it is enabled, full blocks take the compiled functional step instead of the inference form.
 
 Off by default (the first call of each shape compiles for seconds, and every call site must keep
 a stable shape to avoid recompiling). Turn it on with :func:`set_compile` or the environment
