@@ -203,6 +203,20 @@ def test_inference_form_matches_autograd_form(name, h, hkv):
     assert rel(out_of(part), out_of(part_g)) <= ORACLE_FP32 and rel(st.S, st_g.S) <= ORACLE_FP32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_converted_block_by_block(dtype):
+    """bf16/fp16 q, k, v take the fused path without a whole-sequence float32 copy; the float32
+    arithmetic is the same as for the float32 copies of the same values (one final rounding)."""
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 4, 1100, 16, generator=gen).to(dtype) for _ in range(3))
+    fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=16)
+    with torch.no_grad():
+        low = hf_rfa.random_feature_attention(q, k, v, fm)
+        ref = hf_rfa.random_feature_attention(q.float(), k.float(), v.float(), fm)
+    assert low.dtype == dtype
+    assert torch.equal(low, ref.to(dtype))
+
+
 def test_workspace_is_reused_and_released():
     from hf_rfa.ops import causal_infer
 

@@ -133,7 +133,7 @@ class FeatureMap(nn.Module):
         may fold ``x_scale`` into their parameters instead of scaling ``x``). The default scales,
         computes the features as usual and copies; the result's ``phi`` is always ``out``.
         """
-        x = x * x_scale if x_scale != 1.0 else x
+        x = upcast(x) * x_scale if x_scale != 1.0 else x
         f = self.forward_queries(x) if is_query else self.forward_keys(x)
         return Features(out.copy_(f.phi), f.log_scale)
 

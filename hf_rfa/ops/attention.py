@@ -69,13 +69,13 @@ def random_feature_attention(
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
     n = q.shape[2]
     root = scale**0.5
-    vv = v.to(ct)
     # pure causal feature part (no window shift): features are computed block by block inside
-    # causal_feature_attention (which also scales q and k block by block), never for the whole
-    # sequence at once
+    # causal_feature_attention (which also converts and scales q, k, v block by block), never
+    # for the whole sequence at once
     fused = causal and window == 0
     if not fused or sinks > 0 or feature_map.has_gate:
         xq, xk = q.to(ct) * root, k.to(ct) * root
+    vv = v.to(ct) if not fused or sinks > 0 else v
     qf = lq = kf = lk = lq_add = lk_add = None
     if not fused:
         fq = feature_map.forward_queries(xq)
@@ -112,8 +112,8 @@ def random_feature_attention(
     if window < n:
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place
-            fused_out = q.new_empty(b, hkv, g, n, vv.shape[-1], dtype=ct) if not parts else None
-            part = causal_feature_attention(feature_map, q.to(ct), k.to(ct), vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out)[0]
+            fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None
+            part = causal_feature_attention(feature_map, q, k, vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out)[0]
             if part is not None:
                 parts.append(part)
         elif causal:

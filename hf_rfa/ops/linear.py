@@ -321,7 +321,8 @@ def causal_feature_attention(
     """Fused features + causal linear attention: the feature map is applied block by block.
 
     xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (multiplied by ``x_scale`` block by block before the
-    feature map: pass √scale here, or 1.0 for inputs already scaled), v ``[B, Hkv, N, Dv]``,
+    feature map: pass √scale here, or 1.0 for inputs already scaled), v ``[B, Hkv, N, Dv]``
+    (low-precision q/k/v are converted to float32 block by block, never as a whole),
     key_mask ``[B, N]`` bool (False: key skipped) or None, optional log-scale offsets added to the
     features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
@@ -334,7 +335,8 @@ def causal_feature_attention(
     fdim, dv = feature_map.feature_dim, v.shape[-1]
     if n == 0:
         raise ValueError("causal_feature_attention needs N >= 1")
-    probe_k = feature_map.forward_keys(xk[:, :, :1] * x_scale)
+    ct = torch.float64 if xq.dtype == torch.float64 else torch.float32  # q/k/v may be bf16/fp16
+    probe_k = feature_map.forward_keys(xk[:, :, :1].to(ct) * x_scale)
     scaled = probe_k.log_scale is not None or lk_add is not None
     dtype = probe_k.phi.dtype
     if state is None:
@@ -349,8 +351,8 @@ def causal_feature_attention(
         t = sizes[i]
         xqb, xkb = xqs[i], xks[i]
         if ws is None:
-            if x_scale != 1.0:
-                xqb, xkb = xqb * x_scale, xkb * x_scale
+            if x_scale != 1.0:  # (in the compute dtype: bf16/fp16 inputs are not rounded again)
+                xqb, xkb = xqb.to(ct) * x_scale, xkb.to(ct) * x_scale
             fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
         else:  # inference: features straight into the workspace (the map applies x_scale)
             fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
