@@ -195,14 +195,10 @@ def _causal_scan(
     autograd graph is needed — full blocks then run :func:`causal_block_into` on one reused
     workspace (unless the compiled kernels are enabled). ``dest [B,Hkv,G,N,Dv]``: write the
     normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial."""
-    S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1)  # [B,Hkv,F,Dv+1]
-    ref = state.ref
-    if not scaled:  # unscaled features: everything at log scale 0
-        new_ref = ref.clamp_min(0.0)
-        S, ref = S * torch.exp(ref - new_ref)[..., None, None], new_ref
     if infer and not kernels.compile_enabled() and not torch.compiler.is_compiling():
         with torch.no_grad():
-            return _causal_scan_into(get, plan, state, S, ref, scaled, g, dest, eps)
+            return _causal_scan_into(get, plan, state, scaled, g, dest, eps)
+    S, ref = _state_matrix(state, scaled)
     outs, lss, lqs = [], [], []
     full = plan[0]
     for i, (t, c) in enumerate(plan):
@@ -224,6 +220,22 @@ def _causal_scan(
     return None, st
 
 
+def _state_matrix(state: LinearState, scaled: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state as one ``[B,Hkv,F,Dv+1]`` matrix ``[S, z]`` (written into ``out`` when given) and
+    its reference; unscaled features (``scaled`` False) need a reference ≥ 0."""
+    if out is None:
+        S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1)
+    else:
+        S = out
+        S[..., :-1].copy_(state.S)
+        S[..., -1].copy_(state.z)
+    ref = state.ref
+    if not scaled:  # unscaled features: everything at log scale 0
+        new_ref = ref.clamp_min(0.0)
+        S, ref = S.mul_(torch.exp(ref - new_ref)[..., None, None]) if out is not None else S * torch.exp(ref - new_ref)[..., None, None], new_ref
+    return S, ref
+
+
 def _finish(out, ls, lqs, S, ref, state: LinearState) -> tuple[Partial, LinearState]:
     """Partial and state from the scan's ``out [B,Hkv,G,N,Dv+1]``, ``ls [B,Hkv,G,N]``, the blocks'
     query log scales and the final ``S [B,Hkv,F,Dv+1]``, ``ref``."""
@@ -234,16 +246,18 @@ def _finish(out, ls, lqs, S, ref, state: LinearState) -> tuple[Partial, LinearSt
     return part, LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
 
 
-def _causal_scan_into(get, plan, state: LinearState, S, ref, scaled: bool, g: int, dest, eps: float) -> tuple[Partial | None, LinearState]:
+def _causal_scan_into(get, plan, state: LinearState, scaled: bool, g: int, dest, eps: float) -> tuple[Partial | None, LinearState]:
     """:func:`_causal_scan` without autograd: full blocks run :func:`causal_block_into` on one
     (cached) :class:`BlockWorkspace` and write into one preallocated result — the Partial's
     ``[num, den]`` buffer, or the normalised output ``dest`` directly."""
-    b, hkv, f, dv1 = S.shape
+    b, hkv, f, dv = state.S.shape
+    dv1, dtype, dev = dv + 1, state.S.dtype, state.S.device
     n = sum(t for t, _ in plan)
     t_full, c_full = plan[0]
-    out = torch.empty(b, hkv, g, n, dv1, dtype=S.dtype, device=S.device) if dest is None else None
-    ls_k = torch.empty(b, hkv, n, dtype=S.dtype, device=S.device)
-    ws = workspace(b, hkv, g, t_full, c_full, f, dv1, S.dtype, S.device) if t_full > c_full else None
+    out = torch.empty(b, hkv, g, n, dv1, dtype=dtype, device=dev) if dest is None else None
+    ls_k = torch.empty(b, hkv, n, dtype=dtype, device=dev)
+    ws = workspace(b, hkv, g, t_full, c_full, f, dv1, dtype, dev) if t_full > c_full else None
+    S, ref = _state_matrix(state, scaled, ws.S.view(b, hkv, f, dv1) if ws is not None else None)
     lqs, t0 = [], 0
     for i, (t, c) in enumerate(plan):
         full = ws is not None and (t, c) == (t_full, c_full)  # single-chunk blocks gain nothing
