@@ -88,7 +88,7 @@ class PositiveRandomFeatures(RandomProjectionMap):
         with torch.no_grad():
             proj, token_term = self._log_features(x, out, x_scale)
             c = proj.amax(dim=-1)
-            # floored exponents: features < 1.2e-38 of the token's largest would be denormals (slow)
+            # floored exponents: features < 3.2e-38 of the token's largest could become denormals (slow)
             return Features(proj.sub_(c.unsqueeze(-1)).clamp_min_(exp_floor(proj.dtype)).exp_(), c.add_(token_term))
 
 

@@ -4,9 +4,10 @@ The causal linear path is a handful of matmuls surrounded by elementwise passes 
 exponentials, running-max decays, masks). Inductor fuses the elementwise passes into loops
 around the matmuls. On this project's CPU the default eager inference form
 (:mod:`hf_rfa.ops.causal_infer`: reused buffers, in-place passes) has since measured faster
-than the compiled functional block step (N = 16384, H = 12, m = 256: 276 vs 320 ms; see
-``benchmarks/results/speed.md``), so compiling is an opt-in for other devices and experiments:
-when it is enabled, full blocks take the compiled functional step instead of the inference form.
+than the compiled functional block step (fp32, H = 12, m = 256, 2 threads: N = 2048 38.6 vs
+48.9 ms, N = 16384 290.5 vs 350.5 ms; ``benchmarks/results/speed.md``), so compiling is an
+opt-in for other devices and PyTorch versions, not a speed-up here: when it is enabled, full
+blocks take the compiled functional step instead of the inference form.
 
 Off by default (the first call of each shape compiles for seconds, and every call site must keep
 a stable shape to avoid recompiling). Turn it on with :func:`set_compile` or the environment
