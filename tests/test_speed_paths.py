@@ -217,6 +217,35 @@ def test_low_precision_inputs_are_converted_block_by_block(dtype):
     assert torch.equal(low, ref.to(dtype))
 
 
+@pytest.mark.parametrize("name", ["favor+", "hedgehog", "rff"])
+@pytest.mark.parametrize("block", [7, 64, None])
+def test_blockwise_bidirectional_matches_whole_sequence_twin(name, block):
+    """Keys folded block by block (inference form) = ``bidirectional_linear`` on whole-sequence
+    features; GQA, padded keys, Nq != Nk, Partial and normalised-output forms."""
+    from hf_rfa.ops import bidirectional_linear
+    from hf_rfa.ops.bidirectional import bidirectional_feature_attention
+
+    gen = torch.Generator().manual_seed(15)
+    b, h, hkv, nq, nk, d = 2, 4, 2, 50, 90, 16
+    q = 0.7 * torch.randn(b, h, nq, d, generator=gen)
+    k = 0.7 * torch.randn(b, hkv, nk, d, generator=gen)
+    v = torch.randn(b, hkv, nk, d, generator=gen)
+    mask = torch.ones(b, nk, dtype=torch.bool)
+    mask[1, :30] = False
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=16)
+    fq, fk = fm.forward_queries(q), fm.forward_keys(k)
+    qf = fq.phi.reshape(b, hkv, 2, nq, -1)
+    lq = fq.log_scale.reshape(b, hkv, 2, nq) if fq.log_scale is not None else None
+    kf = fk.phi * mask[:, None, :, None]
+    lk = torch.where(mask[:, None], fk.log_scale, torch.full_like(fk.log_scale, NEG)) if fk.log_scale is not None else None
+    twin = bidirectional_linear(qf, lq, kf, lk, v)
+    part = bidirectional_feature_attention(fm, q, k, v, mask, block_size=block)
+    assert rel(out_of(part), out_of(twin)) <= ORACLE_FP32
+    dest = torch.empty(b, hkv, 2, nq, d)
+    assert bidirectional_feature_attention(fm, q, k, v, mask, block_size=block, out=dest) is None
+    assert rel(dest, finalize(twin, fm.eps)) <= ORACLE_FP32  # the map's own normaliser floor
+
+
 def test_workspace_is_reused_and_released():
     from hf_rfa.ops import causal_infer
 

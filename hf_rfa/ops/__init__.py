@@ -3,6 +3,7 @@
 - ``reference``: exact softmax and the quadratic kernelised form (test oracles)
 - ``linear``: bidirectional and chunkwise-parallel causal linear attention on features
 - ``causal_infer``: the inference form of the causal block step (reused workspace, no autograd)
+- ``bidirectional``: bidirectional attention with keys folded block by block (inference form)
 - ``kernels``: optional ``torch.compile`` of inner functions (off by default)
 - ``recurrent``: the one-step form with an explicit state (decoding, prefix folding)
 - ``hybrid``: exact softmax over a local window and attention sinks

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
 from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
@@ -73,7 +74,10 @@ def random_feature_attention(
     # causal_feature_attention (which also converts and scales q, k, v block by block), never
     # for the whole sequence at once
     fused = causal and window == 0
-    if not fused or sinks > 0 or feature_map.has_gate:
+    # bidirectional without window in inference: keys folded block by block, no [N, F] features
+    params = list(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else []
+    fused = fused or (not causal and window == 0 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *params))))
+    if not fused or sinks > 0 or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or sinks > 0 else v
     qf = lq = kf = lk = lq_add = lk_add = None
@@ -113,7 +117,10 @@ def random_feature_attention(
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None
-            part = causal_feature_attention(feature_map, q, k, vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out)[0]
+            if causal:
+                part = causal_feature_attention(feature_map, q, k, vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out)[0]
+            else:
+                part = bidirectional_feature_attention(feature_map, q, k, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:
                 parts.append(part)
         elif causal:
