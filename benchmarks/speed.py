@@ -103,13 +103,13 @@ def make_inputs(n: int, dtype: torch.dtype, device: str, grad: bool, seed: int =
     return q, k, v
 
 
-def make_call(impl: str, q, k, v, fm, causal: bool, backward: bool, chunk_size: int):
+def make_call(impl: str, q, k, v, fm, causal: bool, backward: bool, chunk_size: int, checkpoint_blocks: bool = False):
     """A zero-argument function running one forward (or forward+backward) of ``impl``."""
     go = torch.randn_like(q) if backward else None
 
     def fwd():
         if impl == "rfa":
-            return hf_rfa.random_feature_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size)
+            return hf_rfa.random_feature_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, checkpoint_blocks=checkpoint_blocks)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     if not backward:
@@ -159,10 +159,10 @@ def memory_worker(spec: dict) -> dict:
     fm = hf_rfa.build_feature_map("favor+", head_dim=D, num_features=spec["m"]).to(device)
     # warm up kernels on a tiny problem so that library initialisation is not counted
     qs, ks, vs = make_inputs(64, dtype, device, spec["backward"])
-    make_call(spec["impl"], qs, ks, vs, fm, spec["causal"], spec["backward"], spec["chunk_size"])()
+    make_call(spec["impl"], qs, ks, vs, fm, spec["causal"], spec["backward"], spec["chunk_size"], spec.get("checkpoint_blocks", False))()
     del qs, ks, vs
     q, k, v = make_inputs(spec["n"], dtype, device, spec["backward"])
-    call = make_call(spec["impl"], q, k, v, fm, spec["causal"], spec["backward"], spec["chunk_size"])
+    call = make_call(spec["impl"], q, k, v, fm, spec["causal"], spec["backward"], spec["chunk_size"], spec.get("checkpoint_blocks", False))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -216,7 +216,7 @@ def bench_group(dtype_name: str, m: int, causal: bool, backward: bool, ns: list[
             sdpa_cache[skey] = {"skipped": f"skipped: predicted {prev['sdpa'][1] * (n / prev['sdpa'][0]) ** 2:.0f}s > {args.sdpa_limit_s:.0f}s"}
         else:
             impls.append("sdpa")
-        calls = {impl: make_call(impl, q, k, v, fm, causal, backward, args.chunk_size) for impl in impls}
+        calls = {impl: make_call(impl, q, k, v, fm, causal, backward, args.chunk_size, args.checkpoint_blocks) for impl in impls}
         reps = args.reps if n <= args.many_reps_max_n else max(1, args.reps_large)
         times = {impl: [] for impl in impls}
         for impl in impls:  # warm-up (skipped when one call is known to be slow)
@@ -263,6 +263,7 @@ def write_tables(res: dict, out: Path) -> str:
         f"Command: `{env['command']}`  ",
         f"Device: {env['device']} ({env['cpu']}), torch {env['torch']}, threads {env['threads']}, "
         f"compiled kernels {'on' if env.get('compile') else 'off'}, "
+        f"checkpointed blocks {'on' if env.get('checkpoint_blocks') else 'off'}, "
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end', '?')}.  ",
         f"B={B}, H={H}, d={D}, favor+ (m features), chunk_size={env['chunk_size']}. Times are medians of "
         "interleaved repetitions (ms); speed-up = SDPA time / hf_rfa time.",
@@ -454,6 +455,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--compile", action="store_true", help="hf_rfa.set_compile(True): compiled inference kernels (forward only)")
+    ap.add_argument("--checkpoint-blocks", action="store_true", help="random_feature_attention(checkpoint_blocks=True): recompute blocks in backward")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -487,6 +489,7 @@ def main(argv=None) -> None:
         "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "chunk_size": args.chunk_size,
         "compile": args.compile,
+        "checkpoint_blocks": args.checkpoint_blocks,
     }
     try:
         with open("/proc/cpuinfo") as fh:
@@ -534,7 +537,7 @@ def main(argv=None) -> None:
                             row[impl] = {"error": "skipped (timing skipped)" if t is not None else "not timed"}
                             continue
                         spec = {"impl": impl, "dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n,
-                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile}
+                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile, "checkpoint_blocks": args.checkpoint_blocks}
                         row[impl] = measure_memory(spec, args.mem_timeout_s)
                     log(f"memory {row}")
                     res["memory"].append(row)

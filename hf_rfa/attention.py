@@ -35,13 +35,14 @@ class RFAAttention(nn.Module):
     PEFT's ``modules_to_save`` may wrap it, which is why the attention function *calls* it.
     """
 
-    def __init__(self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0) -> None:
+    def __init__(self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0, checkpoint_blocks: bool = False) -> None:
         super().__init__()
         self.feature_map = feature_map
         self.window = int(window)
         self.sinks = int(sinks)
         self.chunk_size = int(chunk_size)
         self.layer_idx = int(layer_idx)
+        self.checkpoint_blocks = bool(checkpoint_blocks)
 
     def forward(
         self,
@@ -60,6 +61,7 @@ class RFAAttention(nn.Module):
         return random_feature_attention(
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
+            checkpoint_blocks=self.checkpoint_blocks,
         )
 
     def extra_repr(self) -> str:

@@ -30,6 +30,10 @@ class RFAConfig:
     layers: list[int] | None = field(default=None, metadata={"help": "indices of layers to convert (None: all)"})
     chunk_size: int = field(default=64, metadata={"help": "chunk length of the causal chunkwise-parallel form"})
     per_head: bool = field(default=True, metadata={"help": "learned maps: separate parameters per head"})
+    checkpoint_blocks: bool = field(
+        default=False,
+        metadata={"help": "training: recompute each 512-token block of pure causal layers (window=0) in backward; activation memory O(N·D) instead of O(N·m)"},
+    )
     feature_map_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra options of the map"})
 
     def __post_init__(self) -> None:
@@ -42,8 +46,9 @@ class RFAConfig:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.gate, bool):
-            raise ValueError(f"gate must be a bool, got {self.gate!r}")
+        for name in ("gate", "per_head", "checkpoint_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:

@@ -88,7 +88,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
         config.feature_map, head_dim=head_dim, num_features=config.num_features,
         seed=derive_seed(config.seed, "layer", layer_idx), **options,
     )
-    return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx)
+    return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks)
 
 
 def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> nn.Module:

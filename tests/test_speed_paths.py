@@ -336,3 +336,55 @@ def test_compiled_kernels_are_not_used_under_autograd(compiled_kernels):
     hf_rfa.random_feature_attention(q, k, v, fm).sum().backward()
     for a, c in zip(g1, (q.grad, k.grad, v.grad)):
         assert torch.equal(a, c)
+
+
+# ---- training memory: per-block activation checkpointing ---------------------------------------
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn`` runs."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total[0], out
+
+
+@pytest.mark.parametrize("name", ["favor+", "rfa"])
+def test_checkpointed_blocks_same_gradients_less_saved_memory(name):
+    gen = torch.Generator().manual_seed(16)
+    b, h, hkv, n, d = 1, 4, 2, 1100, 16  # two full blocks and a short one
+    q, k, v = (torch.randn(b, hh, n, d, generator=gen) for hh in (h, hkv, hkv))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :7] = False
+    kw = {"gate": True} if name == "rfa" else {}
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=64, **kw)
+    up = torch.randn(b, h, n, d, generator=gen)
+    grads, saved = [], []
+    for ckpt in (False, True):
+        fm.zero_grad()
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        nbytes, out = _saved_bytes(lambda: hf_rfa.random_feature_attention(qq, kk, vv, fm, attention_mask=mask, checkpoint_blocks=ckpt))
+        (out * up).sum().backward()
+        saved.append(nbytes)
+        grads.append([qq.grad, kk.grad, vv.grad] + [p.grad.clone() for p in fm.parameters() if p.grad is not None])
+    for a, c in zip(*grads):
+        assert rel(a, c) <= GRAD_FP32
+    assert saved[1] * 4 < saved[0], saved  # features/tiles of every block are no longer kept
+
+
+def test_checkpoint_blocks_config_reaches_the_layers():
+    from tiny_models import batch, tiny_model
+
+    with pytest.raises(ValueError, match="checkpoint_blocks"):
+        hf_rfa.RFAConfig(checkpoint_blocks="yes")
+    model = tiny_model("llama")
+    hf_rfa.convert(model, hf_rfa.RFAConfig(num_features=16, checkpoint_blocks=True))
+    layers = [m for m in model.modules() if isinstance(m, hf_rfa.attention.RFAAttention)]
+    assert layers and all(m.checkpoint_blocks for m in layers)
+    ids, mask = batch("llama", n=40)
+    model.train()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

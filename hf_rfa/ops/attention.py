@@ -34,6 +34,7 @@ def random_feature_attention(
     sinks: int = 0,
     scale: float | None = None,
     chunk_size: int = 64,
+    checkpoint_blocks: bool = False,
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -49,11 +50,16 @@ def random_feature_attention(
         sinks: the first S real (non-padded) tokens also get exact softmax weights.
         scale: logit scale, default ``D ** -0.5``.
         chunk_size: chunk length of the causal chunkwise-parallel form.
+        checkpoint_blocks: training memory: for the pure causal path (``window == 0``) keep only
+            each 512-token block's inputs and recompute its features in backward
+            (activation memory O(N·D) instead of O(N·m); ~one extra forward of compute).
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
     """
     b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
+    if not isinstance(checkpoint_blocks, bool):
+        raise ValueError(f"checkpoint_blocks must be True or False, got {checkpoint_blocks!r}")
     if getattr(feature_map, "head_dim", d) != d:
         raise ValueError(f"feature map head_dim={feature_map.head_dim} does not match q/k head dim D={d}")
     window, sinks = _check_int("window", window), _check_int("sinks", sinks)
@@ -118,7 +124,7 @@ def random_feature_attention(
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None
             if causal:
-                part = causal_feature_attention(feature_map, q, k, vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out)[0]
+                part = causal_feature_attention(feature_map, q, k, vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks)[0]
             else:
                 part = bidirectional_feature_attention(feature_map, q, k, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from . import kernels
 from .causal_infer import BlockWorkspace, causal_block_into, workspace
@@ -188,26 +189,37 @@ def _causal_scan(
     infer: bool = False,
     dest: torch.Tensor | None = None,
     eps: float = 0.0,
+    checkpoint: bool = False,
 ) -> tuple[Partial | None, LinearState]:
     """Run the block step over the blocks of ``plan``; ``get(i, ws)`` returns block i's
     ``(qf, lq, kf, lk, v)`` (and may write its features into the workspace ``ws`` when one is
     given). ``scaled``: whether ``lk`` is given (else all key log scales are 0). ``infer``: no
     autograd graph is needed — full blocks then run :func:`causal_block_into` on one reused
     workspace (unless the compiled kernels are enabled). ``dest [B,Hkv,G,N,Dv]``: write the
-    normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial."""
+    normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial.
+    ``checkpoint``: with autograd, recompute each block's features and products in backward
+    instead of saving them (activation memory O(N·(D + Dv)) instead of O(N·F) per layer)."""
     if infer and not kernels.compile_enabled() and not torch.compiler.is_compiling():
         with torch.no_grad():
             return _causal_scan_into(get, plan, state, scaled, g, dest, eps)
     S, ref = _state_matrix(state, scaled)
     outs, lss, lqs = [], [], []
     full = plan[0]
-    for i, (t, c) in enumerate(plan):
+
+    def block(i: int, c: int, S: torch.Tensor, ref: torch.Tensor):
         qf, lq, kf, lk, v = get(i, None)
         if not scaled:
             lk = None
         # only full-size blocks go to the compiled kernel (one shape: no recompilation)
-        step = kernels.maybe_compiled(_block_step, qf, lq, kf, lk, v, S) if (t, c) == full else _block_step
-        out, ls, S, ref = step(qf, lq, kf, lk, v, S, ref, c)
+        step = kernels.maybe_compiled(_block_step, qf, lq, kf, lk, v, S) if plan[i] == full else _block_step
+        return (*step(qf, lq, kf, lk, v, S, ref, c), lq)
+
+    for i, (t, c) in enumerate(plan):
+        if checkpoint and torch.is_grad_enabled():
+            # keep only the block's inputs; features and tiles are recomputed in backward
+            out, ls, S, ref, lq = torch.utils.checkpoint.checkpoint(block, i, c, S, ref, use_reentrant=False)
+        else:
+            out, ls, S, ref, lq = block(i, c, S, ref)
         outs.append(out)
         lss.append(ls)
         lqs.append(lq)
@@ -331,6 +343,7 @@ def causal_feature_attention(
     block_size: int | None = None,
     x_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    checkpoint: bool = False,
 ) -> tuple[Partial | None, LinearState]:
     """Fused features + causal linear attention: the feature map is applied block by block.
 
@@ -341,7 +354,8 @@ def causal_feature_attention(
     features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
     masking, and calling :func:`causal_linear`, but never holds ``[N, F]`` features. Requires a
-    per-token feature map (every map in this package is).
+    per-token feature map (every map in this package is). ``checkpoint``: with autograd, save
+    only each block's inputs and recompute its features and products in backward.
     """
     b, h, n, _ = xq.shape
     hkv = xk.shape[1]
@@ -387,7 +401,7 @@ def causal_feature_attention(
 
     params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
     infer = not _needs_grad(xq, xk, v, lq_add, lk_add, state.S, state.z, state.ref, *params)
-    return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps)
+    return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps, checkpoint)
 
 
 def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
