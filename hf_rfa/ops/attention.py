@@ -11,7 +11,7 @@ import torch
 
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
-from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
+from .linear import _needs_grad, bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
 from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
@@ -82,7 +82,7 @@ def random_feature_attention(
     fused = causal and window == 0
     # bidirectional without window in inference: keys folded block by block, no [N, F] features
     params = list(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else []
-    fused = fused or (not causal and window == 0 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *params))))
+    fused = fused or (not causal and window == 0 and not _needs_grad(q, k, v, *params))
     if not fused or sinks > 0 or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or sinks > 0 else v
