@@ -76,16 +76,16 @@ def random_feature_attention(
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
     n = q.shape[2]
     root = scale**0.5
-    # pure causal feature part (no window shift): features are computed block by block inside
-    # causal_feature_attention (which also converts and scales q, k, v block by block), never
-    # for the whole sequence at once
-    fused = causal and window == 0
+    # causal feature part: features are computed block by block inside causal_feature_attention
+    # (which also converts and scales q, k, v block by block), never for the whole sequence at
+    # once; with a window the *raw* keys and values are shifted by W first (D wide, not F)
+    fused = causal
     # bidirectional without window in inference: keys folded block by block, no [N, F] features
     params = list(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else []
     fused = fused or (not causal and window == 0 and not _needs_grad(q, k, v, *params))
-    if not fused or sinks > 0 or (causal and feature_map.has_gate):
+    if not fused or window > 0 or sinks > 0 or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
-    vv = v.to(ct) if not fused or sinks > 0 else v
+    vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v
     qf = lq = kf = lk = lq_add = lk_add = None
     if not fused:
         fq = feature_map.forward_queries(xq)
@@ -124,15 +124,16 @@ def random_feature_attention(
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None
             if causal:
-                part = causal_feature_attention(feature_map, q, k, vv, feat_mask, lq_add, lk_add, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks)[0]
+                ks, vs, kmask, lka = k, vv, feat_mask, lk_add
+                if window > 0:  # feature part of a causal window: query t sees keys s <= t - W
+                    ks, vs, lka = shift_keys(k, window, 0.0), shift_keys(vv, window, 0.0), (shift_keys(lk_add, window, 0.0) if lk_add is not None else None)
+                    real = feat_mask if feat_mask is not None else torch.ones(b, nk, dtype=torch.bool, device=q.device)
+                    kmask = shift_keys(real, window, False, dim=1)
+                part = causal_feature_attention(feature_map, q, ks, vs, kmask, lq_add, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks)[0]
             else:
                 part = bidirectional_feature_attention(feature_map, q, k, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:
                 parts.append(part)
-        elif causal:
-            ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
-            ls = shift_keys(lk, window, NEG) if lk is not None else None
-            parts.append(causal_linear(qf, lq, ks, ls, vs, chunk_size)[0])
         elif window == 0:
             parts.append(bidirectional_linear(qf, lq, kf, lk, vv))
         else:  # band: keys s <= t - W (forward pass) and s >= t + W (reversed pass)
