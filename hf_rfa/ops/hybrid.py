@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import NEG, sink_positions
+from .masks import NEG, exp_floor, sink_positions
 from .partial import Partial
 
 
@@ -39,6 +39,8 @@ def exact_local(
     """
     b, hkv, g, n, d = xq.shape
     dev = xq.device
+    floor = exp_floor(xq.dtype)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (xq, xk, v))
     kpos = torch.arange(n, device=dev)
     if sinks > 0:
         spos, sexists = sink_positions(key_mask, b, n, sinks, dev)  # [B,S]
@@ -72,12 +74,18 @@ def exact_local(
             parts_s.append(qc @ ks.unsqueeze(2).transpose(-1, -2))  # [B,Hkv,G,C,S]
             parts_v.append(vs)
             parts_ok.append(ok)
-        scores = torch.cat(parts_s, dim=-1)
-        ok = torch.cat(parts_ok, dim=-1)[:, None, None]  # [B,1,1,C,K+S]
-        vals = torch.cat(parts_v, dim=-2)  # [B,Hkv,K+S,Dv]
-        masked = torch.where(ok, scores, torch.full_like(scores, NEG))
-        r = masked.amax(-1).detach()  # [B,Hkv,G,C]
-        p = torch.exp(torch.where(ok, scores - r.unsqueeze(-1), torch.full_like(scores, NEG)))
+        scores = torch.cat(parts_s, dim=-1) if len(parts_s) > 1 else parts_s[0]
+        drop = ~(torch.cat(parts_ok, dim=-1) if len(parts_ok) > 1 else parts_ok[0])[:, None, None]  # [B,1,1,C,K+S]
+        vals = torch.cat(parts_v, dim=-2) if len(parts_v) > 1 else parts_v[0]  # [B,Hkv,K+S,Dv]
+        # exponents clamped to [floor, 0] before the exp, masked entries zeroed after it: exp of
+        # NEG or of denormal-producing exponents takes the CPU's slow path (7–60× slower)
+        if grad:
+            r = scores.masked_fill(drop, NEG).amax(-1).detach()  # [B,Hkv,G,C]
+            p = torch.exp((scores - r.unsqueeze(-1)).clamp(floor, 0.0)).masked_fill(drop, 0.0)
+        else:  # one buffer, in place
+            p = scores.masked_fill(drop, NEG)
+            r = p.amax(-1)
+            p.sub_(r.unsqueeze(-1)).clamp_(floor, 0.0).exp_().masked_fill_(drop, 0.0)
         nums.append(p @ vals.unsqueeze(2))
         dens.append(p.sum(-1))
         lss.append(r)
