@@ -261,6 +261,11 @@ def test_workspace_is_reused_and_released():
         hf_rfa.random_feature_attention(q[:, :1], k[:, :1], v[:, :1], fm)  # another shape replaces it
         assert causal_infer._CACHE.ws[1] is not ws
     assert torch.equal(a, b)  # reusing buffers changes nothing
+    with torch.inference_mode():  # inference tensors: a workspace of their own, both ways round
+        c = hf_rfa.random_feature_attention(q, k, v, fm)
+    with torch.no_grad():
+        d = hf_rfa.random_feature_attention(q, k, v, fm)
+    assert torch.equal(c, a) and torch.equal(d, a)
     causal_infer.release_workspaces()
     assert causal_infer._CACHE.ws is None
 

@@ -70,7 +70,8 @@ def workspace(b: int, hkv: int, g: int, t: int, c: int, f: int, dv1: int, dtype:
     prefills) reuse its pages; it holds ``≈ B·H·T·(2F + …)`` floats (about 30 MB at B=1, H=12,
     T=512, F=256) until :func:`release_workspaces` or a call with another shape.
     """
-    key = (b, hkv, g, t, c, f, dv1, dtype, torch.device(device))
+    # (tensors made under torch.inference_mode cannot be updated in place outside it: separate key)
+    key = (b, hkv, g, t, c, f, dv1, dtype, torch.device(device), torch.is_inference_mode_enabled())
     cached = getattr(_CACHE, "ws", None)
     if cached is None or cached[0] != key:
         _CACHE.ws = (key, BlockWorkspace(b, hkv, g, t, c, f, dv1, dtype, device))
