@@ -23,6 +23,19 @@ def features(b=2, hkv=2, g=2, n=63, f=12, dv=8, lscale=3.0, seed=0, scaled=True)
     return qf, lq, kf, lk, v
 
 
+def masked_features(fm, xq, xk, mask):
+    """Whole-sequence features in the ops' layout: ``qf [B,Hkv,G,N,F]``, ``lq``, and keys with
+    padded positions (``mask`` False) zeroed / at log scale NEG."""
+    b, h, n, _ = xq.shape
+    hkv = xk.shape[1]
+    fq, fk = fm.forward_queries(xq), fm.forward_keys(xk)
+    qf = fq.phi.reshape(b, hkv, h // hkv, n, -1)
+    lq = fq.log_scale.reshape(b, hkv, h // hkv, n) if fq.log_scale is not None else None
+    kf = fk.phi * mask[:, None, :, None]
+    lk = torch.where(mask[:, None], fk.log_scale, torch.full_like(fk.log_scale, NEG)) if fk.log_scale is not None else None
+    return qf, lq, kf, lk
+
+
 def quadratic(qf, lq, kf, lk, v, prefix=0):
     """float64 ``Σ_{s≤t} φq_t·φk_s e^{lq_t+lk_s} v_s / Σ(…)``; queries are the last rows, keys may
     include ``prefix`` earlier positions (seen by every query)."""
@@ -101,11 +114,7 @@ def test_fused_feature_path_equals_unfused(name, n):
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[1, : n // 3] = False
     fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=8)
-    fq, fk = fm.forward_queries(xq), fm.forward_keys(xk)
-    qf = fq.phi.reshape(b, hkv, 2, n, -1)
-    lq = fq.log_scale.reshape(b, hkv, 2, n) if fq.log_scale is not None else None
-    kf = fk.phi * mask[:, None, :, None]
-    lk = torch.where(mask[:, None], fk.log_scale, torch.full_like(fk.log_scale, NEG)) if fk.log_scale is not None else None
+    qf, lq, kf, lk = masked_features(fm, xq, xk, mask)
     ref, st_ref = causal_linear(qf, lq, kf, lk, v, 16)
     for chunk, block in ((16, None), (5, 15), (64, 64)):
         part, st = causal_feature_attention(fm, xq, xk, v, mask, chunk_size=chunk, block_size=block)
@@ -233,11 +242,7 @@ def test_blockwise_bidirectional_matches_whole_sequence_twin(name, block):
     mask = torch.ones(b, nk, dtype=torch.bool)
     mask[1, :30] = False
     fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=16)
-    fq, fk = fm.forward_queries(q), fm.forward_keys(k)
-    qf = fq.phi.reshape(b, hkv, 2, nq, -1)
-    lq = fq.log_scale.reshape(b, hkv, 2, nq) if fq.log_scale is not None else None
-    kf = fk.phi * mask[:, None, :, None]
-    lk = torch.where(mask[:, None], fk.log_scale, torch.full_like(fk.log_scale, NEG)) if fk.log_scale is not None else None
+    qf, lq, kf, lk = masked_features(fm, q, k, mask)
     twin = bidirectional_linear(qf, lq, kf, lk, v)
     part = bidirectional_feature_attention(fm, q, k, v, mask, block_size=block)
     assert rel(out_of(part), out_of(twin)) <= ORACLE_FP32

@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..ops.kernels import active as _kernel_active, compiled as _compiled
-from ..ops.masks import exp_floor
+from ..ops.masks import exp_floor, needs_grad
 from .base import Features, upcast
 from .random_projections import RandomProjectionMap
 from .registry import register_feature_map
@@ -44,14 +44,14 @@ def _positive_features(proj: torch.Tensor, token_term: torch.Tensor) -> Features
     if _kernel_active(proj, token_term):
         return _compiled(_bounded_exp)(proj, token_term)
     c = proj.amax(dim=-1).detach()
-    if torch.is_grad_enabled() and (proj.requires_grad or token_term.requires_grad):
+    if needs_grad(proj, token_term):
         return Features(torch.exp(proj - c.unsqueeze(-1)), c + token_term)
     return Features(proj.sub_(c.unsqueeze(-1)).exp_(), c + token_term)  # no graph: in place
 
 
 def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
     """‖x‖²/2 over the last axis without a temporary of x's size."""
-    return torch.linalg.vector_norm(x, dim=-1).square_().mul_(0.5) if not (torch.is_grad_enabled() and x.requires_grad) else 0.5 * x.pow(2).sum(-1)
+    return torch.linalg.vector_norm(x, dim=-1).square_().mul_(0.5) if not needs_grad(x) else 0.5 * x.pow(2).sum(-1)
 
 
 def _bounded_exp(proj: torch.Tensor, token_term: torch.Tensor) -> Features:

@@ -11,8 +11,8 @@ import torch
 
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
-from .linear import _needs_grad, bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
-from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
+from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
+from .masks import NEG, key_mask_bool, needs_grad, sink_mask, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -81,8 +81,9 @@ def random_feature_attention(
     # once; with a window the *raw* keys and values are shifted by W first (D wide, not F)
     fused = causal
     # bidirectional without window in inference: keys folded block by block, no [N, F] features
-    params = list(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else []
-    fused = fused or (not causal and window == 0 and not _needs_grad(q, k, v, *params))
+    if not causal and window == 0:
+        params = feature_map.parameters() if isinstance(feature_map, torch.nn.Module) else ()
+        fused = not needs_grad(q, k, v, *params)
     if not fused or window > 0 or sinks > 0 or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v

@@ -92,7 +92,7 @@ def causal_block_into(
     S: torch.Tensor,
     ref: torch.Tensor,
     out: torch.Tensor,
-    ls_out: torch.Tensor,
+    ls_out: torch.Tensor | None,
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One full block without autograd, written into ``out [B,Hkv,G,T,Dv+1]`` and ``ls_out
@@ -128,10 +128,12 @@ def causal_block_into(
         res = torch.bmm(q3, ws.P, out=ws.out)
         res.baddbmm_(ws.scores, v3)
         _emit(res, out, eps, ws.shape)
-        ls_out.copy_(ref.unsqueeze(-1).expand(b, hkv, t))
+        if ls_out is not None:
+            ls_out.copy_(ref.unsqueeze(-1).expand(b, hkv, t))
         return S_out.view(b, hkv, f, dv1), ref
     mt = torch.maximum(torch.cummax(lk, dim=-1).values, ref.unsqueeze(-1))  # [B,Hkv,T]
-    ls_out.copy_(mt)
+    if ls_out is not None:
+        ls_out.copy_(mt)
     mtc, lkc = mt.view(n3, c), lk.reshape(n3, c)
     r_end = mtc[:, -1].view(bh, nc)  # reference of each chunk's state
     r_in = torch.cat([ref.reshape(bh, 1), r_end[:, :-1]], dim=-1)  # reference entering chunk i

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import NEG, exp_floor, sink_positions
+from .masks import NEG, exp_floor, needs_grad, sink_positions
 from .partial import Partial
 
 
@@ -45,7 +45,7 @@ def exact_local(
     b, hkv, g, n, d = xq.shape
     dev, dv = xq.device, v.shape[-1]
     floor = exp_floor(xq.dtype)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (xq, xk, v))
+    grad = needs_grad(xq, xk, v)
     c = max(1, min(chunk_size, n))
     nch = -(-n // c)
     npad = nch * c  # queries padded to whole chunks

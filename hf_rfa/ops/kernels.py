@@ -28,6 +28,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .masks import needs_grad
+
 _F = TypeVar("_F", bound=Callable)
 _ENABLED = {"on": os.environ.get("HF_RFA_COMPILE", "0").strip().lower() in ("1", "true", "yes", "on")}
 _COMPILED: dict[Callable, Callable] = {}
@@ -49,9 +51,7 @@ def active(*tensors: torch.Tensor | None) -> bool:
     """True when a compiled kernel may be used for a call on ``tensors`` (see module docstring)."""
     if not _ENABLED["on"] or torch.compiler.is_compiling():
         return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return False
-    return True
+    return not needs_grad(*tensors)
 
 
 def compiled(fn: _F) -> _F:

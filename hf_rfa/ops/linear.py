@@ -33,7 +33,7 @@ import torch.utils.checkpoint
 
 from . import kernels
 from .causal_infer import BlockWorkspace, causal_block_into, workspace
-from .masks import NEG
+from .masks import NEG, needs_grad
 from .partial import Partial, finalize
 from .recurrent import LinearState
 
@@ -58,11 +58,6 @@ def bidirectional_linear(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Te
     den = (qf * z[:, :, None, None, :]).sum(-1)
     ls = ref[:, :, None, None].expand(den.shape)
     return Partial(num, den, ls if lq is None else ls + lq)
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether an autograd graph would be recorded through any of ``tensors``."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _with_ones(v: torch.Tensor) -> torch.Tensor:
@@ -101,7 +96,7 @@ def _causal_block(
         q3 = qf.reshape(b, hkv, g, nc, c, f).transpose(2, 3).reshape(n3, g * c, f)
     k3 = kf.reshape(n3, c, f)
     v3 = va.reshape(n3, c, dv1)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qf, kf, lk, va, S))
+    grad = needs_grad(qf, kf, lk, va, S)
     dev = qf.device
     keep = torch.ones(c, c, dtype=torch.bool, device=dev).tril()  # s <= t
     drop = ~keep
@@ -244,7 +239,8 @@ def _state_matrix(state: LinearState, scaled: bool, out: torch.Tensor | None = N
     ref = state.ref
     if not scaled:  # unscaled features: everything at log scale 0
         new_ref = ref.clamp_min(0.0)
-        S, ref = S.mul_(torch.exp(ref - new_ref)[..., None, None]) if out is not None else S * torch.exp(ref - new_ref)[..., None, None], new_ref
+        factor = torch.exp(ref - new_ref)[..., None, None]
+        S, ref = (S.mul_(factor) if out is not None else S * factor), new_ref
     return S, ref
 
 
@@ -267,7 +263,7 @@ def _causal_scan_into(get, plan, state: LinearState, scaled: bool, g: int, dest,
     n = sum(t for t, _ in plan)
     t_full, c_full = plan[0]
     out = torch.empty(b, hkv, g, n, dv1, dtype=dtype, device=dev) if dest is None else None
-    ls_k = torch.empty(b, hkv, n, dtype=dtype, device=dev)
+    ls_k = torch.empty(b, hkv, n, dtype=dtype, device=dev) if dest is None else None  # (normalised: not needed)
     ws = workspace(b, hkv, g, t_full, c_full, f, dv1, dtype, dev) if t_full > c_full else None
     S, ref = _state_matrix(state, scaled, ws.S.view(b, hkv, f, dv1) if ws is not None else None)
     lqs, t0 = [], 0
@@ -278,14 +274,14 @@ def _causal_scan_into(get, plan, state: LinearState, scaled: bool, g: int, dest,
             lk = None
         o_blk = out[:, :, :, t0 : t0 + t] if dest is None else dest[:, :, :, t0 : t0 + t]
         if full:
-            S, ref = causal_block_into(ws, qf, kf, lk, v, S, ref, o_blk, ls_k[:, :, t0 : t0 + t], eps if dest is not None else None)
+            S, ref = causal_block_into(ws, qf, kf, lk, v, S, ref, o_blk, ls_k[:, :, t0 : t0 + t] if dest is None else None, eps if dest is not None else None)
         else:
             o, ls, S, ref = _block_step(qf, lq, kf, lk, v, S, ref, c)
             if dest is None:
                 o_blk.copy_(o)
+                ls_k[:, :, t0 : t0 + t].copy_(ls[:, :, 0])
             else:
                 torch.div(o[..., : dv1 - 1], o[..., dv1 - 1 :].clamp_min(eps), out=o_blk)
-            ls_k[:, :, t0 : t0 + t].copy_(ls[:, :, 0])
         lqs.append(lq)
         t0 += t
     if ws is not None and S.data_ptr() == ws.S.data_ptr():
@@ -326,7 +322,7 @@ def causal_linear(
     def get(i: int, ws: BlockWorkspace | None) -> _Block:
         return qs[i], lqs[i], ks[i], lks[i], vs[i]
 
-    infer = not _needs_grad(qf, lq, kf, lk, v, state.S, state.z, state.ref)
+    infer = not needs_grad(qf, lq, kf, lk, v, state.S, state.z, state.ref)
     return _causal_scan(get, plan, state, lk is not None, g, infer)
 
 
@@ -400,7 +396,7 @@ def causal_feature_attention(
         return qf, lq, kf, lk, vs[i]
 
     params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
-    infer = not _needs_grad(xq, xk, v, lq_add, lk_add, state.S, state.z, state.ref, *params)
+    infer = not needs_grad(xq, xk, v, lq_add, lk_add, state.S, state.z, state.ref, *params)
     return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps, checkpoint)
 
 

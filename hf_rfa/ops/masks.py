@@ -10,6 +10,12 @@ import torch
 NEG = -1e30
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether an autograd graph would be recorded through any of ``tensors`` (None ignored):
+    the one test that picks between the autograd forms and the in-place/inference forms."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def exp_floor(dtype: torch.dtype) -> float:
     """Smallest exponent whose exp is still a *normal* number of ``dtype`` (≈ −86.3 for float32
     and bfloat16, −707 for float64). Large exponentials are clamped to it before ``exp`` in the
