@@ -1,6 +1,8 @@
 """The fast paths of the causal op: blocked chunk scans (any chunk/block size, odd lengths),
 the unscaled (``lk is None``) path, carried states, and the fused per-block feature path used by
-``random_feature_attention`` — each against a quadratic reference."""
+``random_feature_attention`` — each against a quadratic reference. These are the PyTorch forms:
+the compiled CPU kernel (``hf_rfa.ops.native``) is switched off here and tested against them in
+``test_native.py``."""
 
 import pytest
 import torch
@@ -11,6 +13,16 @@ from hf_rfa.ops.linear import causal_feature_attention, causal_linear
 from hf_rfa.ops.masks import NEG
 from tolerances import GRAD_FP32, ORACLE_FP32
 from conftest import rel
+
+
+@pytest.fixture(autouse=True)
+def pytorch_forms_only():
+    from hf_rfa.ops import native
+
+    old = native.native_enabled()
+    native.set_native(False)
+    yield
+    native.set_native(old)
 
 
 def features(b=2, hkv=2, g=2, n=63, f=12, dv=8, lscale=3.0, seed=0, scaled=True):

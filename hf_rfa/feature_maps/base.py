@@ -137,6 +137,13 @@ class FeatureMap(nn.Module):
         f = self.forward_queries(x) if is_query else self.forward_keys(x)
         return Features(out.copy_(f.phi), f.log_scale)
 
+    def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float] | None:
+        """For maps of the positive-exponential form ``φ(x) = exp(x Wᵀ + bias − max)`` with log
+        scale ``max + coef·‖x‖² + c0`` (inputs multiplied by ``x_scale``): ``(W [F,D], bias [F] or
+        None, coef, c0)``, detached, for the compiled CPU kernel (:mod:`hf_rfa.ops.native`). None
+        (the default): the map has another form and always takes the PyTorch path."""
+        return None
+
     def log_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For gated maps: ``(log g, log(1-g))`` each ``[B, Hkv, N]`` from keys ``x``."""
         raise NotImplementedError

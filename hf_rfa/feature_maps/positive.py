@@ -92,6 +92,11 @@ class PositiveRandomFeatures(RandomProjectionMap):
             return Features(proj.sub_(c.unsqueeze(-1)).clamp_min_(exp_floor(proj.dtype)).exp_(), c.add_(token_term))
 
 
+    def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+        w = self.omega.detach().float()
+        return w * x_scale, None, -0.5 * x_scale**2, -0.5 * math.log(self.num_features)
+
+
 @register_feature_map("favor+")
 class FavorPlus(PositiveRandomFeatures):
     """Performer's FAVOR+: positive features with block-orthogonal projections."""
@@ -138,6 +143,12 @@ class FavorPlusPlus(PositiveRandomFeatures):
             proj = torch.matmul(x, (w * (torch.sqrt(1 - 4 * a) * x_scale)).T, out=out).add_(a * w.pow(2).sum(-1))
         const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
         return proj, const - _half_sq_norm(x) * x_scale**2
+
+    def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+        w = self.omega.detach().float()
+        a = self.optimal_a(self.rho.detach().float())
+        const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
+        return w * (torch.sqrt(1 - 4 * a) * x_scale), a * w.pow(2).sum(-1), -0.5 * x_scale**2, float(const)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rho={float(self.rho):.3f}"

@@ -31,9 +31,9 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
-from . import kernels
+from . import kernels, native
 from .causal_infer import BlockWorkspace, causal_block_into, workspace
-from .masks import NEG, needs_grad
+from .masks import NEG, exp_floor, needs_grad
 from .partial import Partial, finalize
 from .recurrent import LinearState
 
@@ -397,7 +397,30 @@ def causal_feature_attention(
 
     params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
     infer = not needs_grad(xq, xk, v, lq_add, lk_add, state.S, state.z, state.ref, *params)
+    if infer and not kernels.compile_enabled() and native.usable(xq.device, dtype):
+        nparams = feature_map.native_params(x_scale)
+        if nparams is not None:
+            return _native_causal(nparams, xq, xk, v, key_mask, lq_add, lk_add, chunk_size, state, out, feature_map.eps)
     return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps, checkpoint)
+
+
+def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
+    """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.native`;
+    its twin is the inference form :func:`_causal_scan_into`)."""
+    b, h, n, _ = xq.shape
+    hkv, dv = xk.shape[1], v.shape[-1]
+    g = h // hkv
+    S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1).to(torch.float32).contiguous()  # updated in place
+    ref = state.ref.to(torch.float32).clone()
+    o, mt, lq = native.causal_positive(xq, xk, v, params, key_mask, lk_add, S, ref, chunk_size, eps if out is not None else None, exp_floor(torch.float32), dest=out)
+    st = LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+    if out is not None:
+        return None, st
+    o = o.view(b, hkv, g, n, dv + 1)
+    ls = mt.unsqueeze(2) + lq.view(b, hkv, g, n)
+    if lq_add is not None:
+        ls = ls + lq_add
+    return Partial(o[..., :dv], o[..., dv], ls), st
 
 
 def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
