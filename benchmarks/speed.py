@@ -47,23 +47,25 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import hf_rfa  # noqa: E402
+from hf_rfa.ops import native  # noqa: E402
 
 B, H, D = 1, 12, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------
-def rfa_causal_flops(n: int, m: int, d: int = D, dv: int = D, heads: int = H, batch: int = B, chunk: int = 64, block: int = 512) -> float:
+def rfa_causal_flops(n: int, m: int, d: int = D, dv: int = D, heads: int = H, batch: int = B, chunk: int = 64, block: int = 512, native: bool = False) -> float:
     """FLOPs of hf_rfa's causal favor+ forward (multiply-add = 2 FLOPs), F = m features:
 
     per head and token: features 2·(2·d·m) (q and k projections) + intra-chunk 2·C·F (scores,
     full C×C tile) + 2·C·(Dv+1) (tile × [v, 1]) + inter-chunk 2·F·(Dv+1) (queries × prefix state)
-    + state increments 2·F·(Dv+1) (φ(k)ᵀ [v, 1]) + prefix combination 2·L·F·(Dv+1)/C
-    (the [L, L] decay matrix × chunk increments, L = block/C chunks per block).
-    Elementwise work (exp, max, scaling) is not counted.
+    + state increments 2·F·(Dv+1) (φ(k)ᵀ [v, 1]); the PyTorch form (``native=False``) also
+    combines chunk states per block: 2·L·F·(Dv+1)/C (the [L, L] decay matrix × chunk
+    increments, L = block/C chunks per block), the compiled kernel carries the state chunk by
+    chunk instead. Elementwise work (exp, max, scaling) is not counted.
     """
     f, c = m, chunk
-    lpb = max(1, block // c)
+    lpb = 0 if native else max(1, block // c)
     per_tok = 4 * d * m + 2 * c * f + 2 * c * (dv + 1) + 4 * f * (dv + 1) + 2 * lpb * f * (dv + 1) / c
     return float(per_tok) * n * heads * batch
 
@@ -154,6 +156,7 @@ def memory_worker(spec: dict) -> dict:
     device = spec["device"]
     torch.set_num_threads(spec["threads"])
     hf_rfa.set_compile(bool(spec.get("compile", False)))
+    native.set_native(not spec.get("no_native", False))
     dtype = DTYPES[spec["dtype"]]
     fm = hf_rfa.build_feature_map("favor+", head_dim=D, num_features=spec["m"]).to(device)
     # warm up kernels on a tiny problem so that library initialisation is not counted
@@ -236,7 +239,7 @@ def bench_group(dtype_name: str, m: int, causal: bool, backward: bool, ns: list[
             "rfa_s": t_rfa, "rfa_times": times["rfa"], "sdpa_s": s.get("time"), "sdpa_note": s.get("skipped", sdpa_note),
         }
         if causal and not backward:
-            row["rfa_gflops"] = rfa_causal_flops(n, m, chunk=args.chunk_size) / t_rfa / 1e9
+            row["rfa_gflops"] = rfa_causal_flops(n, m, chunk=args.chunk_size, native=args.native) / t_rfa / 1e9
         rows.append(row)
         log(
             f"{dtype_name} m={m} {'causal' if causal else 'bidir'} {'fwd+bwd' if backward else 'fwd'} N={n}: "
@@ -262,6 +265,7 @@ def write_tables(res: dict, out: Path) -> str:
         f"Command: `{env['command']}`  ",
         f"Device: {env['device']} ({env['cpu']}), torch {env['torch']}, threads {env['threads']}, "
         f"compiled kernels {'on' if env.get('compile') else 'off'}, "
+        f"native CPU kernel {'used for causal inference' if env.get('native_kernel') else 'off'}, "
         f"checkpointed blocks {'on' if env.get('checkpoint_blocks') else 'off'}, "
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end', '?')}.  ",
         f"B={B}, H={H}, d={D}, favor+ (m features), chunk_size={env['chunk_size']}. Times are medians of "
@@ -455,6 +459,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--compile", action="store_true", help="hf_rfa.set_compile(True): compiled inference kernels (forward only)")
     ap.add_argument("--checkpoint-blocks", action="store_true", help="random_feature_attention(checkpoint_blocks=True): recompute blocks in backward")
+    ap.add_argument("--no-native", action="store_true", help="bypass the compiled CPU kernel (hf_rfa.ops.native): the PyTorch path")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -466,6 +471,8 @@ def main(argv=None) -> None:
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     hf_rfa.set_compile(args.compile)
+    native.set_native(not args.no_native)
+    args.native = native.usable(torch.device(args.device), torch.float32) and not args.compile
     if args.quick:
         args.max_n = min(args.max_n, 4096)
         args.reps = min(args.reps, 2)
@@ -489,6 +496,7 @@ def main(argv=None) -> None:
         "chunk_size": args.chunk_size,
         "compile": args.compile,
         "checkpoint_blocks": args.checkpoint_blocks,
+        "native_kernel": args.native,
     }
     try:
         with open("/proc/cpuinfo") as fh:
@@ -536,7 +544,7 @@ def main(argv=None) -> None:
                             row[impl] = {"error": "skipped (timing skipped)" if t is not None else "not timed"}
                             continue
                         spec = {"impl": impl, "dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n,
-                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile, "checkpoint_blocks": args.checkpoint_blocks}
+                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile, "checkpoint_blocks": args.checkpoint_blocks, "no_native": args.no_native}
                         row[impl] = measure_memory(spec, args.mem_timeout_s)
                     log(f"memory {row}")
                     res["memory"].append(row)
