@@ -360,6 +360,15 @@ def causal_feature_attention(
     if n == 0:
         raise ValueError("causal_feature_attention needs N >= 1")
     ct = torch.float64 if xq.dtype == torch.float64 else torch.float32  # q/k/v may be bf16/fp16
+    params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
+    st_t = (state.S, state.z, state.ref) if state is not None else ()
+    infer = not needs_grad(xq, xk, v, lq_add, lk_add, *st_t, *params)
+    if infer and not kernels.compile_enabled() and native.usable(xq.device, ct):
+        nparams = feature_map.native_params(x_scale)
+        if nparams is not None:
+            if state is None:
+                state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=ct)
+            return _native_causal(nparams, xq, xk, v, key_mask, lq_add, lk_add, chunk_size, state, out, feature_map.eps)
     probe_k = feature_map.forward_keys(xk[:, :, :1].to(ct) * x_scale)
     scaled = probe_k.log_scale is not None or lk_add is not None
     dtype = probe_k.phi.dtype
@@ -395,12 +404,6 @@ def causal_feature_attention(
                 lk = torch.where(km, lk, torch.full_like(lk, NEG))
         return qf, lq, kf, lk, vs[i]
 
-    params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
-    infer = not needs_grad(xq, xk, v, lq_add, lk_add, state.S, state.z, state.ref, *params)
-    if infer and not kernels.compile_enabled() and native.usable(xq.device, dtype):
-        nparams = feature_map.native_params(x_scale)
-        if nparams is not None:
-            return _native_causal(nparams, xq, xk, v, key_mask, lq_add, lk_add, chunk_size, state, out, feature_map.eps)
     return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps, checkpoint)
 
 

@@ -29,6 +29,9 @@ void vsExp(const int, const float*, float*) __attribute__((weak));
 
 namespace {
 
+// chunks whose q/k features are computed by one gemm (amortises packing the projection)
+constexpr int kChunksPerFeatureBlock = 4;
+
 bool available() { return sgemm_ != nullptr; }
 
 // row-major C[M,N] = op(A)[M,K] op(B)[K,N] + beta C
@@ -107,96 +110,147 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
   const float fl = (float)floor_;
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xs((size_t)(G + 1) * C * D), Fq((size_t)(G + 1) * C * F), ls((size_t)(G + 1) * C), mt(C);
-    std::vector<float> Va((size_t)C * Dv1), Wv((size_t)C * Dv1), A((size_t)G * C * C), dec((size_t)C * C), O((size_t)G * C * Dv1);
+    // the state's value part Sv [F,Dv] and its denominator part z [F] are kept apart: every
+    // matmul then has width Dv (64, a multiple of the vector width) instead of Dv+1
+    const int64_t TB = (int64_t)C * kChunksPerFeatureBlock;  // tokens whose features are computed together
+    std::vector<float> xs((size_t)(G + 1) * TB * D), Fq((size_t)(G + 1) * TB * F), ls((size_t)(G + 1) * TB), mt(C);
+    std::vector<float> V((size_t)C * Dv), Wv((size_t)C * Dv), w((size_t)C), A((size_t)G * C * C), dec((size_t)C * C);
+    std::vector<float> O((size_t)G * C * Dv), den((size_t)G * C), Sv((size_t)F * Dv), z(F);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, j = task % Hkv;
       float* St = Sp + task * F * Dv1;
+      for (int64_t f = 0; f < F; ++f) {
+        std::copy(St + f * Dv1, St + f * Dv1 + Dv, Sv.data() + f * Dv);
+        z[f] = St[f * Dv1 + Dv];
+      }
       float r = refp[task];
-      for (int64_t t0 = 0; t0 < N; t0 += C) {
-        const int c = (int)std::min<int64_t>(C, N - t0);
-        // ---- features of the chunk's keys (rows 0..c) and of its G query heads (rows c..(G+1)c), one gemm
-        load_rows(xkp + b * skb + j * skh + t0 * skn, skn, c, (int)D, xs.data());
-        for (int64_t g = 0; g < G; ++g)
-          load_rows(xqp + b * sqb + (j * G + g) * sqh + t0 * sqn, sqn, c, (int)D, xs.data() + (1 + g) * c * D);
-        features(xs.data(), (int)((G + 1) * c), (int)D, Wp, bp, (int)F, (float)coef, (float)c0, fl, Fq.data(), ls.data());
-        const float* Kf = Fq.data();
-        const float* Qf = Fq.data() + (int64_t)c * F;
-        float* lk = ls.data();
-        const float* lq = ls.data() + c;
+      for (int64_t b0 = 0; b0 < N; b0 += TB) {
+        // ---- features of a block of up to TB tokens in one gemm: rows [keys of the block] then,
+        // chunk by chunk, [queries of head 0, …, head G-1] (each chunk's G·c query rows contiguous)
+        const int64_t tb = std::min<int64_t>(TB, N - b0);
+        load_rows(xkp + b * skb + j * skh + b0 * skn, skn, (int)tb, (int)D, xs.data());
+        for (int64_t c0 = 0; c0 < tb; c0 += C) {
+          const int64_t cc = std::min<int64_t>(C, tb - c0);
+          for (int64_t g = 0; g < G; ++g)
+            load_rows(xqp + b * sqb + (j * G + g) * sqh + (b0 + c0) * sqn, sqn, (int)cc, (int)D, xs.data() + (tb + G * c0 + g * cc) * D);
+        }
+        features(xs.data(), (int)((G + 1) * tb), (int)D, Wp, bp, (int)F, (float)coef, (float)c0, fl, Fq.data(), ls.data());
         // key log scales; masked keys: zero features, log scale NEG
-        for (int s = 0; s < c; ++s) {
-          if (lap != nullptr) lk[s] += lap[task * N + t0 + s];
-          if (kmp != nullptr && !kmp[b * N + t0 + s]) {
-            lk[s] = -1e30f;
-            std::fill(Fq.begin() + (int64_t)s * F, Fq.begin() + (int64_t)(s + 1) * F, 0.0f);
+        for (int64_t s = 0; s < tb; ++s) {
+          if (lap != nullptr) ls[s] += lap[task * N + b0 + s];
+          if (kmp != nullptr && !kmp[b * N + b0 + s]) {
+            ls[s] = -1e30f;
+            std::fill(Fq.begin() + s * F, Fq.begin() + (s + 1) * F, 0.0f);
           }
         }
-        // ---- values with the ones column
-        for (int s = 0; s < c; ++s) {
-          const T* vr = vp + b * svb + j * svh + (t0 + s) * svn;
-          for (int64_t d = 0; d < Dv; ++d) Va[(int64_t)s * Dv1 + d] = static_cast<float>(vr[d]);
-          Va[(int64_t)s * Dv1 + Dv] = 1.0f;
-        }
+      for (int64_t t0 = b0; t0 < b0 + tb; t0 += C) {
+        const int c = (int)std::min<int64_t>(C, b0 + tb - t0);
+        const int gc = (int)(G * c);
+        const float* Kf = Fq.data() + (t0 - b0) * F;
+        const float* Qf = Fq.data() + (tb + G * (t0 - b0)) * F;
+        const float* lk = ls.data() + (t0 - b0);
+        const float* lq = ls.data() + tb + G * (t0 - b0);
+        load_rows(vp + b * svb + j * svh + t0 * svn, svn, c, (int)Dv, V.data());
         // ---- running max and intra-chunk decay [s <= t] exp(lk_s - mt_t)
         float m = r;
         for (int t = 0; t < c; ++t) mt[t] = m = std::max(m, lk[t]);
-        for (int t = 0; t < c; ++t)
-          for (int s = 0; s < c; ++s) dec[(int64_t)t * c + s] = s <= t ? std::max(lk[s] - mt[t], fl) : fl;
+        for (int t = 0; t < c; ++t) {
+          float* dr = dec.data() + (int64_t)t * c;
+          const float mtt = mt[t];
+#pragma omp simd
+          for (int s = 0; s < c; ++s) {
+            const float e = lk[s] - mtt;
+            dr[s] = e > fl ? e : fl;
+          }
+        }
         exp_inplace(dec.data(), c * c);
         for (int t = 0; t < c; ++t)
           for (int s = t + 1; s < c; ++s) dec[(int64_t)t * c + s] = 0.0f;
-        // ---- inter-chunk part: O = exp(r - mt_t) Qf S
-        gemm(false, false, (int)(G * c), (int)Dv1, (int)F, Qf, (int)F, St, (int)Dv1, 0.0f, O.data(), (int)Dv1);
+        // ---- inter-chunk part: O = exp(r - mt_t) Qf Sv, den = exp(r - mt_t) Qf z
+        gemm(false, false, gc, (int)Dv, (int)F, Qf, (int)F, Sv.data(), (int)Dv, 0.0f, O.data(), (int)Dv);
+        for (int i = 0; i < gc; ++i) {
+          const float* qr = Qf + (int64_t)i * F;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t f = 0; f < F; ++f) acc += qr[f] * z[f];
+          den[i] = acc;
+        }
         for (int t = 0; t < c; ++t) {
-          const float w = std::exp(std::max(r - mt[t], fl));
-          if (w != 1.0f)
+          const float wt = std::exp(std::max(r - mt[t], fl));
+          if (wt != 1.0f)
             for (int64_t g = 0; g < G; ++g) {
-              float* o = O.data() + (g * c + t) * Dv1;
+              float* o = O.data() + (g * c + t) * Dv;
 #pragma omp simd
-              for (int64_t d = 0; d < Dv1; ++d) o[d] *= w;
+              for (int64_t d = 0; d < Dv; ++d) o[d] *= wt;
+              den[g * c + t] *= wt;
             }
         }
-        // ---- intra-chunk part: O += (Qf Kf^T .* dec) Va
-        gemm(false, true, (int)(G * c), c, (int)F, Qf, (int)F, Kf, (int)F, 0.0f, A.data(), c);
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = A.data() + g * c * c;
-#pragma omp simd
-          for (int64_t i = 0; i < (int64_t)c * c; ++i) a[i] *= dec[i];
-        }
-        gemm(false, false, (int)(G * c), (int)Dv1, c, A.data(), c, Va.data(), (int)Dv1, 1.0f, O.data(), (int)Dv1);
-        // ---- state: S = exp(r - r_end) S + Kf^T (Va .* exp(lk - r_end))
+        // ---- intra-chunk part: O += (Qf Kf^T .* dec) V, den += row sums of the same tile
+        gemm(false, true, gc, c, (int)F, Qf, (int)F, Kf, (int)F, 0.0f, A.data(), c);
+        for (int64_t g = 0; g < G; ++g)
+          for (int t = 0; t < c; ++t) {
+            float* ar = A.data() + (g * c + t) * c;
+            const float* dr = dec.data() + (int64_t)t * c;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int s = 0; s < c; ++s) {
+              ar[s] *= dr[s];
+              acc += ar[s];
+            }
+            den[g * c + t] += acc;
+          }
+        gemm(false, false, gc, (int)Dv, c, A.data(), c, V.data(), (int)Dv, 1.0f, O.data(), (int)Dv);
+        // ---- state: Sv = e^(r - r_end) Sv + Kf^T (V .* w), z = e^(r - r_end) z + Kf^T w, w = e^(lk - r_end)
         const float r_end = mt[c - 1];
         for (int s = 0; s < c; ++s) {
-          const float w = std::exp(std::max(lk[s] - r_end, fl));
+          const float ws = std::exp(std::max(lk[s] - r_end, fl));
+          w[s] = ws;
+          const float* vr = V.data() + (int64_t)s * Dv;
+          float* wr = Wv.data() + (int64_t)s * Dv;
 #pragma omp simd
-          for (int64_t d = 0; d < Dv1; ++d) Wv[(int64_t)s * Dv1 + d] = Va[(int64_t)s * Dv1 + d] * w;
+          for (int64_t d = 0; d < Dv; ++d) wr[d] = vr[d] * ws;
         }
         const float carry = std::exp(std::max(r - r_end, fl));
-        if (carry != 1.0f)
+        if (carry != 1.0f) {
 #pragma omp simd
-          for (int64_t i = 0; i < F * Dv1; ++i) St[i] *= carry;
-        gemm(true, false, (int)F, (int)Dv1, c, Kf, (int)F, Wv.data(), (int)Dv1, 1.0f, St, (int)Dv1);
+          for (int64_t i = 0; i < F * Dv; ++i) Sv[i] *= carry;
+#pragma omp simd
+          for (int64_t f = 0; f < F; ++f) z[f] *= carry;
+        }
+        gemm(true, false, (int)F, (int)Dv, c, Kf, (int)F, Wv.data(), (int)Dv, 1.0f, Sv.data(), (int)Dv);
+        for (int s = 0; s < c; ++s) {
+          const float* kr = Kf + (int64_t)s * F;
+          const float ws = w[s];
+#pragma omp simd
+          for (int64_t f = 0; f < F; ++f) z[f] += kr[f] * ws;
+        }
         r = r_end;
         // ---- emit
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = j * G + g;
           for (int t = 0; t < c; ++t) {
-            const float* o = O.data() + (g * c + t) * Dv1;
+            const float* o = O.data() + (g * c + t) * Dv;
+            const float dn = den[g * c + t];
             if (norm) {
               float* dst = outp + ((b * H + h) * N + t0 + t) * Dv;
-              const float den = std::max(o[Dv], (float)eps);
+              const float inv = 1.0f / std::max(dn, (float)eps);
 #pragma omp simd
-              for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d] / den;
+              for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d] * inv;
             } else {
               float* dst = outp + ((b * H + h) * N + t0 + t) * Dv1;
-              std::copy(o, o + Dv1, dst);
+              std::copy(o, o + Dv, dst);
+              dst[Dv] = dn;
               lqp[(b * H + h) * N + t0 + t] = lq[g * c + t];
             }
           }
         }
         if (!norm)
           for (int t = 0; t < c; ++t) mtp[task * N + t0 + t] = mt[t];
+      }
+      }
+      for (int64_t f = 0; f < F; ++f) {
+        std::copy(Sv.data() + f * Dv, Sv.data() + f * Dv + Dv, St + f * Dv1);
+        St[f * Dv1 + Dv] = z[f];
       }
       refp[task] = r;
     }
