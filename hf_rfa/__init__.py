@@ -15,6 +15,7 @@ from .config import RFAConfig
 from .feature_maps import FeatureMap, Features, available_feature_maps, build_feature_map, register_feature_map
 from .ops import LinearState, quadratic_kernel_attention, random_feature_attention, softmax_attention
 from .ops.kernels import compile_enabled, set_compile
+from .ops.native import native_enabled, set_native
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,8 @@ from .export import export, push_to_hub  # noqa: E402
 __all__ = [
     "compile_enabled",
     "set_compile",
+    "native_enabled",
+    "set_native",
     "FeatureMap",
     "Features",
     "LinearState",

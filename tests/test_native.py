@@ -208,3 +208,75 @@ def test_prefill_then_decode_with_kernel(pytorch_path):
     w = torch.exp(st.ref - st_ref.ref)
     assert rel(st.S * w[..., None, None], st_ref.S) <= ORACLE_FP32
     assert rel(st.z * w[..., None], st_ref.z) <= ORACLE_FP32
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path):
+    """A kernel that cannot be built (here: its source is missing) is reported once as a warning
+    and the PyTorch path answers, with the same numbers as ever."""
+    q, k, v, _ = _inputs(1, 2, 2, 40, 8, seed=10)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
+    with torch.no_grad():
+        native.set_native(False)
+        try:
+            want = hf_rfa.random_feature_attention(q, k, v, fm)
+        finally:
+            native.set_native(True)
+    monkeypatch.setattr(native, "_SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setitem(native._STATE, "module", None)
+    monkeypatch.setitem(native._STATE, "failed", None)
+    with caplog.at_level("WARNING", logger="hf_rfa.ops.native"), torch.no_grad():
+        got = hf_rfa.random_feature_attention(q, k, v, fm)
+        again = hf_rfa.random_feature_attention(q, k, v, fm)
+    assert native.load() is None and "missing.cpp" in native._STATE["failed"]
+    assert len([r for r in caplog.records if "native CPU kernel unavailable" in r.getMessage()]) == 1
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
+# ---- exact part of a causal hybrid (window + sinks) -------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("window,sinks", [(1, 0), (5, 0), (64, 4), (0, 3), (500, 2), (37, 1)])
+@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
+    """Partial (num, den, log scale) of the window/sink part = ``hybrid.exact_local`` (padding at
+    the front and holes, GQA, sinks inside and outside the window, W ≥ N)."""
+    from hf_rfa.ops.hybrid import exact_local
+    from hf_rfa.ops.masks import exp_floor, sink_positions
+
+    b, n, d = 2, 150, 16
+    q, k, v, mask = _inputs(b, h, hkv, n, d, seed=11, scale=1.5)
+    scale = d**-0.5
+    root = scale**0.5
+    spos, sok = sink_positions(mask, b, n, sinks, q.device) if sinks else (None, None)
+    num, den, ls = native.causal_band(q, k, v, scale, mask, window, spos, sok, chunk, exp_floor(torch.float32))
+    twin = exact_local((q * root).reshape(b, hkv, h // hkv, n, d), k * root, v, mask, window, sinks, True, chunk)
+    g = h // hkv
+    ls, den, num = ls.view(b, hkv, g, n), den.view(b, hkv, g, n), num.view(b, hkv, g, n, d)
+    seen = twin.den > 0
+    assert torch.equal(den > 0, seen)  # the same rows see something
+    assert (ls[~seen] == -1e30).all() and (num[~seen] == 0).all()
+    assert (ls[seen] - twin.log_scale[seen]).abs().max() <= 1e-4
+    w = torch.exp(ls - twin.log_scale)  # (≈ 1) rescale to the twin's log scale
+    assert rel((den * w)[seen], twin.den[seen]) <= ORACLE_FP32
+    assert rel((num * w.unsqueeze(-1))[seen], twin.num[seen]) <= ORACLE_FP32
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["favor+", "hedgehog"])
+def test_hybrid_with_band_kernel_matches_pytorch_path_and_softmax(name, pytorch_path, calls):
+    """The public op with a window: the band kernel (any feature map) + the feature kernel
+    (positive maps) = the PyTorch path; W ≥ N = exact softmax; bf16 inputs as their float32 copies."""
+    q, k, v, mask = _inputs(2, 6, 2, 200, 16, seed=12)
+    fm = hf_rfa.build_feature_map(name, head_dim=16, num_features=32)
+    with torch.no_grad():
+        fast = hf_rfa.random_feature_attention(q, k, v, fm, attention_mask=mask, window=48, sinks=4)
+        full = hf_rfa.random_feature_attention(q, k, v, fm, attention_mask=mask, window=200)
+        low = hf_rfa.random_feature_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), fm, attention_mask=mask, window=48, sinks=4)
+        ref_low = hf_rfa.random_feature_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), fm, attention_mask=mask, window=48, sinks=4)
+    assert calls["n"] == (3 if name == "favor+" else 0)  # feature kernel: positive maps, calls with W < N
+    ref = pytorch_path(lambda: hf_rfa.random_feature_attention(q, k, v, fm, attention_mask=mask, window=48, sinks=4))
+    sel = mask.view(2, 1, 200, 1).expand(fast.shape)
+    assert rel(fast[sel], ref[sel]) <= ORACLE_FP32
+    soft = hf_rfa.softmax_attention(q, k, v, causal=True, attention_mask=mask)
+    assert rel(full[sel], soft[sel]) <= ORACLE_FP32
+    assert torch.equal(low, ref_low.bfloat16())

@@ -4,6 +4,8 @@
 - ``linear``: bidirectional and chunkwise-parallel causal linear attention on features
 - ``causal_infer``: the inference form of the causal block step (reused workspace, no autograd)
 - ``bidirectional``: bidirectional attention with keys folded block by block (inference form)
+- ``native``: optional compiled CPU kernel (C++, MKL) for causal inference with positive
+  features — the default on CPUs where it builds; ``causal_infer`` is its twin
 - ``kernels``: optional ``torch.compile`` of inner functions (off by default)
 - ``recurrent``: the one-step form with an explicit state (decoding, prefix folding)
 - ``hybrid``: exact softmax over a local window and attention sinks
@@ -13,6 +15,7 @@
 
 from .attention import random_feature_attention
 from .causal_infer import release_workspaces
+from .native import set_native
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
@@ -30,6 +33,7 @@ __all__ = [
     "random_feature_attention",
     "read",
     "release_workspaces",
+    "set_native",
     "shift_keys",
     "softmax_attention",
 ]

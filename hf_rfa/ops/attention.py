@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels, native
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
-from .masks import NEG, key_mask_bool, needs_grad, sink_mask, validate_qkv
+from .masks import NEG, exp_floor, key_mask_bool, needs_grad, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -84,7 +85,9 @@ def random_feature_attention(
     if not causal and window == 0:
         params = feature_map.parameters() if isinstance(feature_map, torch.nn.Module) else ()
         fused = not needs_grad(q, k, v, *params)
-    if not fused or window > 0 or sinks > 0 or (causal and feature_map.has_gate):
+    # exact part of a causal hybrid in inference: the compiled CPU kernel reads raw q/k/v
+    native_band = (window > 0 or sinks > 0) and causal and not kernels.compile_enabled() and not needs_grad(q, k, v) and native.usable(q.device, ct)
+    if not fused or ((window > 0 or sinks > 0) and not native_band) or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v
     qf = lq = kf = lk = lq_add = lk_add = None
@@ -118,7 +121,11 @@ def random_feature_attention(
 
     parts: list[Partial] = []
     fused_out = None
-    if window > 0 or sinks > 0:
+    if native_band:
+        spos, sok = sink_positions(km, b, nk, sinks, q.device) if sinks > 0 else (None, None)
+        num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
+        parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
+    elif window > 0 or sinks > 0:
         parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
     if window < n:
         if fused:

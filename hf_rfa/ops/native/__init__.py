@@ -1,12 +1,16 @@
-"""Optional compiled CPU kernel for causal attention with positive random features (inference).
+"""Optional compiled CPU kernels for causal inference (``causal_cpu.cpp``, one extension).
 
-``causal_positive.cpp`` runs the whole causal scan of a FAVOR+/positive/FAVOR++ feature map in
-C++: one task per (batch, key/value head), chunk after chunk on cache-resident buffers, with MKL's
-``sgemm`` and ``vsExp`` (linked into PyTorch's x86 builds) and no per-op dispatch. It computes the
-same chunkwise math as the pure-PyTorch inference form (``linear._causal_scan_into`` with
-``causal_infer.causal_block_into``), which stays its reference twin
-(``tests/test_native.py``); on this project's 2-core CPU it is ~2.5× faster than that form
-(``benchmarks/results/speed.md``).
+- :func:`causal_positive`: the whole causal scan of a FAVOR+/positive/FAVOR++ feature map in C++:
+  one task per (batch, key/value head), chunk after chunk on cache-resident buffers, with MKL's
+  ``sgemm`` and ``vsExp`` (linked into PyTorch's x86 builds) and no per-op dispatch. Same chunkwise
+  math as the pure-PyTorch inference form (``linear._causal_scan_into`` with
+  ``causal_infer.causal_block_into``), which stays its reference twin.
+- :func:`causal_band`: the exact part of a causal hybrid (local window + sinks), one task per
+  (batch, key/value head, query chunk); twin of ``hybrid.exact_local``. Used for every feature
+  map, since it does not involve features.
+
+Both are tested against their twins in ``tests/test_native.py``; speed in
+``benchmarks/results/speed.md``.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, ~1 min, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; ``scripts/setup.sh`` builds it
@@ -14,7 +18,8 @@ ahead) and used only when
 
 - it is enabled: :func:`set_native` or the environment variable ``HF_RFA_NATIVE`` (``1``/``0``;
   default on),
-- no autograd graph is recorded, tensors are on the CPU and computed in float32,
+- no autograd graph is recorded, tensors are on the CPU and computed in float32 (bf16/fp16 inputs
+  are read as they are and converted chunk by chunk),
 - it compiled and this PyTorch build exports ``sgemm`` (x86 builds with MKL).
 
 Anything else (no compiler, a build error, GPUs, training) takes the PyTorch path; a failed build is
@@ -34,7 +39,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("causal_positive.cpp")
+_SOURCE = Path(__file__).with_name("causal_cpu.cpp")
 _STATE: dict = {"enabled": os.environ.get("HF_RFA_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off"), "module": None, "failed": None}
 _LOCK = threading.Lock()
 
@@ -148,6 +153,43 @@ def causal_positive(
     if eps is not None and dest is not None and out is not dest:
         out = dest.copy_(out.view(dest.shape))
     return out, (mt if eps is None else None), (lq if eps is None else None)
+
+
+def causal_band(
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    key_mask: torch.Tensor | None,
+    window: int,
+    sink_pos: torch.Tensor | None,
+    sink_ok: torch.Tensor | None,
+    chunk: int,
+    floor: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact part of a causal hybrid (twin of ``hybrid.exact_local`` with ``causal=True``): query t
+    sees keys t−W < s ≤ t that are real (``key_mask [B,N]`` bool) and the sinks ``sink_pos [B,S]``
+    (int64; ``sink_ok [B,S]`` whether each exists) at positions ≤ t − W, with scores ``scale·q·k``.
+    ``xq [B,H,N,D]``, ``xk [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]`` raw (float32/bfloat16/float16).
+
+    Returns float32 ``(num [B,H,N,Dv], den [B,H,N], ls [B,H,N])``: the Partial with each row's
+    max visible score as log scale (NEG where nothing is visible).
+    """
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"hf_rfa native kernel unavailable: {_STATE['failed']}")
+    b, h, n, _ = xq.shape
+    dv = v.shape[-1]
+    xq, xk, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (xq, xk, v))
+    if not (xq.dtype == xk.dtype == v.dtype):
+        xk, v = xk.to(xq.dtype), v.to(xq.dtype)
+    f32 = {"dtype": torch.float32, "device": xq.device}
+    num, den, ls = torch.empty(b, h, n, dv, **f32), torch.empty(b, h, n, **f32), torch.empty(b, h, n, **f32)
+    km = key_mask.contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
+    sp = sink_pos.to(torch.int64).contiguous() if sink_pos is not None else torch.empty(0, dtype=torch.int64)
+    so = sink_ok.contiguous() if sink_ok is not None else torch.empty(0, dtype=torch.bool)
+    mod.causal_band(xq, xk, v, float(scale), km, int(window), sp, so, int(chunk), float(floor), num, den, ls)
+    return num, den, ls
 
 
 def main() -> None:

@@ -1,18 +1,21 @@
-// Fused causal positive-random-feature attention for CPUs (inference only, float32 compute).
+// Compiled CPU kernels for causal inference (no autograd, float32 compute):
+//   causal_positive  fused causal attention with positive random features (FAVOR+ family)
+//   causal_band      the exact part of a causal hybrid: local window + attention sinks
 //
-// Twin of hf_rfa/ops/linear.py (causal_feature_attention with a positive feature map, no
-// autograd): same chunkwise math, same streaming-safe stabilisation, but one task per
-// (batch, key/value head) runs the whole sequence chunk by chunk on buffers that stay in the
-// core's cache, calling MKL's single-threaded sgemm and vsExp directly (no per-op dispatch, no
-// Python loop, no [N, F] tensor). Tasks are spread over threads with at::parallel_for.
+// causal_positive is the twin of hf_rfa/ops/linear.py (causal_feature_attention with a positive
+// feature map, no autograd): same chunkwise math, same streaming-safe stabilisation, but one
+// task per (batch, key/value head) runs the whole sequence chunk by chunk on buffers that stay
+// in the core's cache, calling MKL's single-threaded sgemm and vsExp directly (no per-op
+// dispatch, no Python loop, no [N, F] tensor). Tasks are spread over threads with
+// at::parallel_for.
 //
-// Per chunk of C tokens (G query heads share the kv head's keys; Dv1 = Dv + 1, the last value
-// column is the denominator's ones):
+// Per chunk of C tokens (G query heads share the kv head's keys; the state is kept as its value
+// part Sv [F,Dv] and its denominator part z [F]):
 //   key features   Kf[C,F] = exp(xk W^T + bias - rowmax),  lk = rowmax + coef*|xk|^2 + c0 (+ lk_add)
 //   query features Qf[G*C,F] likewise (lq only returned for the unnormalised output)
 //   running max    mt_t = max(ref, max_{s<=t} lk_s)
-//   output         O = exp(ref - mt_t) * Qf S  +  (Qf Kf^T  .*  [s<=t] exp(lk_s - mt_t)) Va
-//   state          S = exp(ref - r_end) S + Kf^T (Va .* exp(lk - r_end)),  ref = r_end = mt_{C-1}
+//   output         O = exp(ref - mt_t) * Qf [Sv, z]  +  (Qf Kf^T  .*  [s<=t] exp(lk_s - mt_t)) [V, 1]
+//   state          [Sv, z] = exp(ref - r_end) [Sv, z] + Kf^T ([V, 1] .* exp(lk - r_end)),  ref = r_end = mt_{C-1}
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -281,9 +284,152 @@ void causal_positive(const at::Tensor& xq, const at::Tensor& xk, const at::Tenso
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Exact part of a causal hybrid: softmax weights over the local window (t-W < s <= t) and the
+// sinks (the first real tokens, when outside the window), as a Partial in log space: per query
+// num = sum_s p_s v_s, den = sum_s p_s, ls = max visible score, p_s = exp(score_s - ls).
+// Twin of ops/hybrid.exact_local (causal). Chunks of queries are independent: one task per
+// (batch, kv head, chunk), the G query heads of the kv head stacked as rows of one gemm.
+template <typename T>
+void band_run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, double scale, const at::Tensor& key_mask,
+              int64_t window, const at::Tensor& sink_pos, const at::Tensor& sink_ok, int64_t chunk, double floor_,
+              at::Tensor& num, at::Tensor& den, at::Tensor& ls) {
+  const int64_t B = xq.size(0), H = xq.size(1), N = xq.size(2), D = xq.size(3);
+  const int64_t Hkv = xk.size(1), G = H / Hkv, Dv = v.size(3);
+  const int64_t W = window, C = chunk, NS = sink_pos.numel() ? sink_pos.size(1) : 0;
+  const int64_t nch = (N + C - 1) / C;
+  const int64_t KW = C + std::min<int64_t>(std::max<int64_t>(W, 1), N) - 1;  // band keys of a full chunk
+  const T* xqp = xq.data_ptr<T>();
+  const T* xkp = xk.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const bool* kmp = key_mask.numel() ? key_mask.data_ptr<bool>() : nullptr;
+  const int64_t* spp = NS ? sink_pos.data_ptr<int64_t>() : nullptr;
+  const bool* sop = NS ? sink_ok.data_ptr<bool>() : nullptr;
+  float* nump = num.data_ptr<float>();
+  float* denp = den.data_ptr<float>();
+  float* lsp = ls.data_ptr<float>();
+  const int64_t sqn = xq.stride(2), sqh = xq.stride(1), sqb = xq.stride(0);
+  const int64_t skn = xk.stride(2), skh = xk.stride(1), skb = xk.stride(0);
+  const int64_t svn = v.stride(2), svh = v.stride(1), svb = v.stride(0);
+  const float fl = (float)floor_, sc = (float)scale;
+
+  at::parallel_for(0, B * Hkv * nch, 1, [&](int64_t begin, int64_t end) {
+    const int64_t K = KW + NS;  // band keys, then sinks
+    std::vector<float> Q((size_t)G * C * D), Kb((size_t)K * D), Vb((size_t)K * Dv), P((size_t)G * C * K), O((size_t)G * C * Dv);
+    std::vector<float> kneg(K), kmul(K);  // per band key: 0 / -inf and 1 / 0 (padding)
+    std::vector<int64_t> spos(NS);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bj = task / nch, ci = task % nch;
+      const int64_t b = bj / Hkv, j = bj % Hkv;
+      const int64_t t0 = ci * C;
+      const int64_t c = std::min<int64_t>(C, N - t0);
+      const int64_t s0 = W > 0 ? std::max<int64_t>(0, t0 - W + 1) : t0;  // first band key
+      const int64_t nb = W > 0 ? t0 + c - s0 : 0;                        // band keys of this chunk
+      // keys: the band, then the sinks that exist (positions kept for the visibility test)
+      load_rows(xkp + b * skb + j * skh + s0 * skn, skn, (int)nb, (int)D, Kb.data());
+      load_rows(vp + b * svb + j * svh + s0 * svn, svn, (int)nb, (int)Dv, Vb.data());
+      for (int64_t i = 0; i < nb; ++i) {
+        const bool real = kmp == nullptr || kmp[b * N + s0 + i];
+        kneg[i] = real ? 0.0f : -INFINITY;
+        kmul[i] = real ? 1.0f : 0.0f;
+      }
+      int64_t nk = nb;
+      for (int64_t i = 0; i < NS; ++i) {
+        if (!sop[b * NS + i]) continue;
+        const int64_t p = spp[b * NS + i];
+        load_rows(xkp + b * skb + j * skh + p * skn, skn, 1, (int)D, Kb.data() + nk * D);
+        load_rows(vp + b * svb + j * svh + p * svn, svn, 1, (int)Dv, Vb.data() + nk * Dv);
+        spos[nk - nb] = p;
+        ++nk;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        load_rows(xqp + b * sqb + (j * G + g) * sqh + t0 * sqn, sqn, (int)c, (int)D, Q.data() + g * c * D);
+      const int gc = (int)(G * c);
+      if (nk > 0) gemm(false, true, gc, (int)nk, (int)D, Q.data(), (int)D, Kb.data(), (int)D, 0.0f, P.data(), (int)nk);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < c; ++t) {
+          const int64_t tq = t0 + t;
+          float* pr = P.data() + (g * c + t) * nk;
+          // visible: band keys i in [lo, hi] (tq-W < s <= tq) that are real; sinks p <= tq - W
+          const int64_t lo = W > 0 ? std::max<int64_t>(0, tq - W + 1 - s0) : 0, hi = W > 0 ? tq - s0 : -1;
+          float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+          for (int64_t i = lo; i <= hi; ++i) {
+            const float x = pr[i] * sc + kneg[i];
+            pr[i] = x;
+            mx = x > mx ? x : mx;
+          }
+          for (int64_t i = nb; i < nk; ++i) {
+            if (spos[i - nb] <= tq - W) {
+              pr[i] *= sc;
+              mx = std::max(mx, pr[i]);
+            }
+          }
+          const bool any = mx > -INFINITY;
+          const int64_t row = ((b * H + j * G + g) * N + tq);
+          lsp[row] = any ? mx : -1e30f;
+          float dsum = 0.0f;
+          std::fill(pr, pr + lo, 0.0f);
+          std::fill(pr + std::max<int64_t>(hi + 1, 0), pr + nb, 0.0f);
+          if (any) {
+#pragma omp simd
+            for (int64_t i = lo; i <= hi; ++i) {
+              const float e = pr[i] - mx;
+              pr[i] = e > fl ? e : fl;
+            }
+            if (hi >= lo) exp_inplace(pr + lo, (int)(hi - lo + 1));
+#pragma omp simd reduction(+ : dsum)
+            for (int64_t i = lo; i <= hi; ++i) {
+              pr[i] *= kmul[i];
+              dsum += pr[i];
+            }
+            for (int64_t i = nb; i < nk; ++i) {
+              pr[i] = spos[i - nb] <= tq - W ? std::exp(std::max(pr[i] - mx, fl)) : 0.0f;
+              dsum += pr[i];
+            }
+          } else {
+            std::fill(pr, pr + nk, 0.0f);
+          }
+          denp[row] = dsum;
+        }
+      if (nk > 0) {
+        gemm(false, false, gc, (int)Dv, (int)nk, P.data(), (int)nk, Vb.data(), (int)Dv, 0.0f, O.data(), (int)Dv);
+      } else {
+        std::fill(O.begin(), O.end(), 0.0f);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < c; ++t)
+          std::copy(O.data() + (g * c + t) * Dv, O.data() + (g * c + t + 1) * Dv, nump + ((b * H + j * G + g) * N + t0 + t) * Dv);
+    }
+  });
+}
+
+// xq [B,H,N,D], xk [B,Hkv,N,D], v [B,Hkv,N,Dv] (float32/bfloat16/float16, unit inner stride),
+// scores scale * q.k; key_mask [B,N] bool or empty; window W >= 0; sink_pos [B,S] int64 and
+// sink_ok [B,S] bool (or empty); outputs num [B,H,N,Dv], den [B,H,N], ls [B,H,N] float32.
+void causal_band(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, double scale, const at::Tensor& key_mask,
+                 int64_t window, const at::Tensor& sink_pos, const at::Tensor& sink_ok, int64_t chunk, double floor_,
+                 at::Tensor num, at::Tensor den, at::Tensor ls) {
+  TORCH_CHECK(available(), "hf_rfa native kernel: no sgemm in this PyTorch build");
+  TORCH_CHECK(xq.scalar_type() == xk.scalar_type() && xk.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+  TORCH_CHECK(xq.stride(3) == 1 && xk.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit inner stride");
+  TORCH_CHECK(num.is_contiguous() && den.is_contiguous() && ls.is_contiguous(), "contiguous outputs");
+  TORCH_CHECK(window >= 0 && chunk >= 1, "window >= 0, chunk >= 1");
+  if (xq.scalar_type() == at::kFloat) {
+    band_run<float>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
+  } else if (xq.scalar_type() == at::kBFloat16) {
+    band_run<at::BFloat16>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
+  } else if (xq.scalar_type() == at::kHalf) {
+    band_run<at::Half>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
+  } else {
+    TORCH_CHECK(false, "q/k/v must be float32, bfloat16 or float16");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether sgemm was found in this PyTorch build");
   m.def("causal_positive", &causal_positive, "fused causal positive-feature attention (inference)");
+  m.def("causal_band", &causal_band, "exact part of a causal hybrid: window + sinks (inference)");
 }
