@@ -32,6 +32,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -70,6 +72,27 @@ def _build_name() -> str:
     return f"hf_rfa_native_{h.hexdigest()[:12]}"
 
 
+def _ninja_on_path() -> bool:
+    """torch's builder runs ``ninja`` from PATH; a pip-installed ninja (``pip install ninja``,
+    in the test extras) lives next to the interpreter, which is not on PATH when a venv's python is
+    run directly: add its folder."""
+    if shutil.which("ninja"):
+        return True
+    for folder in (os.path.dirname(sys.executable), getattr(_import_ninja(), "BIN_DIR", None)):
+        if folder and os.path.exists(os.path.join(folder, "ninja")):
+            os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+            return True
+    return False
+
+
+def _import_ninja():
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return ninja
+
+
 def load(verbose: bool = False):
     """The compiled module (built on first call), or None when it cannot be built or used here."""
     if _STATE["module"] is not None or _STATE["failed"] is not None:
@@ -79,6 +102,8 @@ def load(verbose: bool = False):
             try:
                 from torch.utils.cpp_extension import load as _load
 
+                if not _ninja_on_path():
+                    raise RuntimeError("ninja not found (pip install ninja)")
                 name = _build_name()
                 logger.info("hf_rfa: building the native CPU kernel %s (once, about a minute)", name)
                 mod = _load(
