@@ -12,7 +12,7 @@ to float rounding), with the same hybrid split:
 
 The new tokens and the kept window form one short *local block*. Its keys that leave the window
 in this call are folded into the state: one key by ``recurrent.fold`` + ``read`` (a decoding
-step), many by the chunkwise-parallel ``causal_linear`` continued from the state (a long prompt's
+step), many by ``linear.causal_feature_attention`` continued from the state (a long prompt's
 prefill or a multi-token chunk), so each query reads exactly the keys older than its window. The
 exact part (window band + sinks) is computed for the new queries in chunks. Memory is
 ``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .linear import causal_linear
+from .linear import causal_feature_attention
 from .masks import NEG
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
@@ -258,26 +258,36 @@ def continue_attention(
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
     e = max(0, big_l - window)
     if e > 0:
-        fq = feature_map.forward_queries(xq)
-        qf = fq.phi.reshape(b, hkv, g, n, -1)
-        lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
-        fk = feature_map.forward_keys(xk[:, :, :e])
-        kf, lk = fk.phi, fk.log_scale
-        if cl is not None:
-            lk = (lk if lk is not None else 0.0) + log1mg[..., :e] + win_decay[..., :e]
-            lq = (lq if lq is not None else 0.0) + cl[:, :, None, :]
-        fe = feat[:, None, :e]
-        kf = kf * fe.unsqueeze(-1)
-        if lk is not None:
-            lk = torch.where(fe, lk, torch.full_like(lk, NEG))
         early = n - e  # > 0 only while the window is filling (the state is still empty)
+        # queries whose features are needed here: the early ones read the state; the late ones too
+        # for a single decoding step (e == 1); a prefill / multi-token chunk takes the fused
+        # feature path for the late ones (the compiled CPU kernel where it applies)
+        nq_feat = n if e == 1 else early
+        qf = lq = None
+        if nq_feat > 0:
+            fq = feature_map.forward_queries(xq[:, :, :nq_feat])
+            qf = fq.phi.reshape(b, hkv, g, nq_feat, -1)
+            lq = fq.log_scale.reshape(b, hkv, g, nq_feat) if fq.log_scale is not None else None
+            if cl is not None:
+                lq = (lq if lq is not None else 0.0) + cl[:, :, None, :nq_feat]
+        lk_add = log1mg[..., :e] + win_decay[..., :e] if cl is not None else None
+        fe = feat[:, None, :e]
         feats = [read(linear, qf[:, :, :, :early], lq[..., :early] if lq is not None else None)] if early > 0 else []
-        lq_late = lq[..., early:] if lq is not None else None
         if e == 1:  # one decoding step: fold the evicted key, then read
+            fk = feature_map.forward_keys(xk[:, :, :e])
+            kf, lk = fk.phi, fk.log_scale
+            if lk_add is not None:
+                lk = (lk if lk is not None else 0.0) + lk_add
+            kf = kf * fe.unsqueeze(-1)
+            if lk is not None:
+                lk = torch.where(fe, lk, torch.full_like(lk, NEG))
             linear = fold(linear, kf, lk, vv[:, :, :1])
-            feats.append(read(linear, qf[:, :, :, early:], lq_late))
+            feats.append(read(linear, qf[:, :, :, early:], lq[..., early:] if lq is not None else None))
         else:  # prefill / multi-token chunk: chunkwise-parallel form, continued from the state
-            part, linear = causal_linear(qf[:, :, :, early:], lq_late, kf, lk, vv[:, :, :e], chunk_size, state=linear)
+            lq_add = cl[:, :, None, early:].expand(b, hkv, g, e) if cl is not None else None
+            part, linear = causal_feature_attention(
+                feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear
+            )
             feats.append(part)
         parts.append(Partial(
             torch.cat([p.num for p in feats], dim=-2),
