@@ -280,3 +280,22 @@ def test_hybrid_with_band_kernel_matches_pytorch_path_and_softmax(name, pytorch_
     soft = hf_rfa.softmax_attention(q, k, v, causal=True, attention_mask=mask)
     assert rel(full[sel], soft[sel]) <= ORACLE_FP32
     assert torch.equal(low, ref_low.bfloat16())
+
+
+def test_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
+    """A lock file left by a killed build would make torch's builder wait forever: an old one is
+    removed (with a warning), a fresh one (a build in progress elsewhere) is left alone."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_ext" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    native._clear_stale_lock("some_ext")
+    assert lock.exists()
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger="hf_rfa.ops.native"):
+        native._clear_stale_lock("some_ext")
+    assert not lock.exists() and "stale build lock" in caplog.text

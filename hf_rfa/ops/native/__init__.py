@@ -93,6 +93,28 @@ def _import_ninja():
     return ninja
 
 
+#: a build lock older than this is taken as left behind by a killed build (torch would wait forever)
+STALE_LOCK_S = 900.0
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's builder serialises builds with a lock file and waits while it exists; a process
+    killed mid-build leaves it behind and every later load would hang. Remove it when it is older
+    than :data:`STALE_LOCK_S` (a build takes about a minute)."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("hf_rfa: removing a stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def load(verbose: bool = False):
     """The compiled module (built on first call), or None when it cannot be built or used here."""
     if _STATE["module"] is not None or _STATE["failed"] is not None:
@@ -105,6 +127,7 @@ def load(verbose: bool = False):
                 if not _ninja_on_path():
                     raise RuntimeError("ninja not found (pip install ninja)")
                 name = _build_name()
+                _clear_stale_lock(name)
                 logger.info("hf_rfa: building the native CPU kernel %s (once, about a minute)", name)
                 mod = _load(
                     name=name,
