@@ -6,12 +6,12 @@ import shutil
 
 import pytest
 import torch
+from conftest import rel
+from tolerances import ORACLE_FP32
 
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, native, quadratic_kernel_attention
 from hf_rfa.ops.linear import causal_feature_attention
-from tolerances import ORACLE_FP32
-from conftest import rel
 
 HAVE_TOOLCHAIN = shutil.which("g++") is not None and native._ninja_on_path()
 
