@@ -299,3 +299,13 @@ def test_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hf_rfa.ops.native"):
         native._clear_stale_lock("some_ext")
     assert not lock.exists() and "stale build lock" in caplog.text
+
+
+@needs_kernel
+def test_integer_key_mask_is_read_as_bool():
+    q, k, v, mask = _inputs(2, 4, 2, 70, 8, seed=13)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
+    with torch.no_grad():
+        a, _ = causal_feature_attention(fm, q, k, v, mask, chunk_size=16)
+        b, _ = causal_feature_attention(fm, q, k, v, mask.to(torch.uint8), chunk_size=16)
+    assert torch.equal(a.num, b.num) and torch.equal(a.den, b.den)

@@ -189,7 +189,7 @@ def causal_positive(
         xk, v = xk.to(xq.dtype), v.to(xq.dtype)
     f32 = {"dtype": torch.float32, "device": xq.device}
     empty = torch.empty(0, **f32)
-    km = key_mask.contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
+    km = key_mask.to(torch.bool).contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
     la = lk_add.to(torch.float32).contiguous() if lk_add is not None else empty
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else empty
     if eps is not None:
@@ -233,9 +233,9 @@ def causal_band(
         xk, v = xk.to(xq.dtype), v.to(xq.dtype)
     f32 = {"dtype": torch.float32, "device": xq.device}
     num, den, ls = torch.empty(b, h, n, dv, **f32), torch.empty(b, h, n, **f32), torch.empty(b, h, n, **f32)
-    km = key_mask.contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
+    km = key_mask.to(torch.bool).contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
     sp = sink_pos.to(torch.int64).contiguous() if sink_pos is not None else torch.empty(0, dtype=torch.int64)
-    so = sink_ok.contiguous() if sink_ok is not None else torch.empty(0, dtype=torch.bool)
+    so = sink_ok.to(torch.bool).contiguous() if sink_ok is not None else torch.empty(0, dtype=torch.bool)
     mod.causal_band(xq, xk, v, float(scale), km, int(window), sp, so, int(chunk), float(floor), num, den, ls)
     return num, den, ls
 
