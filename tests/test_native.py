@@ -309,3 +309,23 @@ def test_integer_key_mask_is_read_as_bool():
         a, _ = causal_feature_attention(fm, q, k, v, mask, chunk_size=16)
         b, _ = causal_feature_attention(fm, q, k, v, mask.to(torch.uint8), chunk_size=16)
     assert torch.equal(a.num, b.num) and torch.equal(a.den, b.den)
+
+
+@needs_kernel
+def test_feature_kernel_needs_enough_kv_heads_for_the_threads(calls):
+    """One scan per (batch, kv head) and thread: with fewer than half as many scans as threads the
+    PyTorch form (all threads on every matmul) answers instead — same numbers."""
+    q, k, v, _ = _inputs(1, 4, 1, 80, 8, seed=14)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
+    old = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(2)
+            a = hf_rfa.random_feature_attention(q, k, v, fm)
+            assert calls["n"] == 1
+            torch.set_num_threads(4)  # 1 scan for 4 threads
+            b = hf_rfa.random_feature_attention(q, k, v, fm)
+            assert calls["n"] == 1
+    finally:
+        torch.set_num_threads(old)
+    assert rel(a, b) <= ORACLE_FP32

@@ -20,7 +20,10 @@ ahead) and used only when
   default on),
 - no autograd graph is recorded, tensors are on the CPU and computed in float32 (bf16/fp16 inputs
   are read as they are and converted chunk by chunk),
-- it compiled and this PyTorch build exports ``sgemm`` (x86 builds with MKL).
+- it compiled and this PyTorch build exports ``sgemm`` (x86 builds with MKL),
+- for :func:`causal_positive` (one scan per thread): there are at least half as many
+  (batch × kv head) scans as threads (:func:`enough_tasks`); the band kernel splits by query
+  chunk and has no such limit.
 
 Anything else (no compiler, a build error, GPUs, training) takes the PyTorch path; a failed build is
 logged once as a warning and not retried in the process.
@@ -151,6 +154,14 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     if not _STATE["enabled"] or device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling():
         return False
     return load() is not None
+
+
+def enough_tasks(tasks: int) -> bool:
+    """Whether ``tasks`` independent (batch × kv head) scans keep this process's threads busy
+    enough for :func:`causal_positive`, which runs one scan per thread: at least half of
+    ``torch.get_num_threads()``. Below that (few kv heads on a many-core machine) the PyTorch
+    form, which spreads every matmul over all threads, is used instead."""
+    return 2 * tasks >= torch.get_num_threads()
 
 
 def causal_positive(
