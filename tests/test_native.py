@@ -312,20 +312,48 @@ def test_integer_key_mask_is_read_as_bool():
 
 
 @needs_kernel
-def test_feature_kernel_needs_enough_kv_heads_for_the_threads(calls):
-    """One scan per (batch, kv head) and thread: with fewer than half as many scans as threads the
-    PyTorch form (all threads on every matmul) answers instead — same numbers."""
-    q, k, v, _ = _inputs(1, 4, 1, 80, 8, seed=14)
+@pytest.mark.parametrize("segments", [1, 2, 3, 7])
+def test_segmented_scan_matches_one_pass(segments, pytorch_path):
+    """A scan split into segments (increments in parallel, combined in order, then each segment
+    from its incoming state) = the one-pass scan and the PyTorch form: outputs, Partial log
+    scales and final state, with padding, an incoming state and log-scale offsets."""
+    from hf_rfa.ops.masks import exp_floor
+
+    q, k, v, mask = _inputs(2, 4, 2, 300, 16, seed=15, scale=1.3)
+    gen = torch.Generator().manual_seed(16)
+    lk_add = 2 * torch.randn(2, 2, 300, generator=gen)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=32)
+    _, st0 = pytorch_path(lambda: causal_feature_attention(fm, q[:, :, :40], k[:, :, :40], v[:, :, :40], mask[:, :40], chunk_size=16))
+    outs = []
+    for p in (1, segments):
+        S = torch.cat([st0.S, st0.z.unsqueeze(-1)], dim=-1).contiguous()
+        ref = st0.ref.clone()
+        o, mt, lq = native.causal_positive(q, k, v, fm.native_params(0.5), mask, lk_add, S, ref, 16, None, exp_floor(torch.float32), segments=p)
+        outs.append((o, mt, lq, S, ref))
+    (o1, mt1, lq1, S1, r1), (o2, mt2, lq2, S2, r2) = outs
+    assert torch.equal(mt1, mt2) and torch.equal(lq1, lq2) and torch.equal(r1, r2)
+    sel = mask.view(2, 1, 300, 1).expand(o1.shape)
+    assert rel(o2[sel], o1[sel]) <= ORACLE_FP32
+    assert rel(S2, S1) <= ORACLE_FP32
+    ref_part, _ = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, mask, None, lk_add, chunk_size=16, state=st0, x_scale=0.5))
+    got = (o2[..., :16] / o2[..., 16:]).view(2, 2, 2, 300, 16)
+    ok = mask.view(2, 1, 1, 300, 1).expand(got.shape)
+    assert rel(got[ok], finalize(ref_part, 1e-30)[ok]) <= ORACLE_FP32
+
+
+@needs_kernel
+def test_few_kv_heads_use_every_thread(calls):
+    """One kv head and 4 threads: the automatic split gives the same numbers as 1 thread."""
+    q, k, v, _ = _inputs(1, 4, 1, 300, 8, seed=14)
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
     old = torch.get_num_threads()
     try:
         with torch.no_grad():
-            torch.set_num_threads(2)
+            torch.set_num_threads(1)
             a = hf_rfa.random_feature_attention(q, k, v, fm)
-            assert calls["n"] == 1
-            torch.set_num_threads(4)  # 1 scan for 4 threads
+            torch.set_num_threads(4)
             b = hf_rfa.random_feature_attention(q, k, v, fm)
-            assert calls["n"] == 1
     finally:
         torch.set_num_threads(old)
+    assert calls["n"] == 2
     assert rel(a, b) <= ORACLE_FP32

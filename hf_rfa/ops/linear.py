@@ -363,7 +363,7 @@ def causal_feature_attention(
     params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
     st_t = (state.S, state.z, state.ref) if state is not None else ()
     infer = not needs_grad(xq, xk, v, lq_add, lk_add, *st_t, *params)
-    if infer and not kernels.compile_enabled() and native.enough_tasks(b * hkv) and native.usable(xq.device, ct):
+    if infer and not kernels.compile_enabled() and native.usable(xq.device, ct):
         nparams = feature_map.native_params(x_scale)
         if nparams is not None:
             if state is None:

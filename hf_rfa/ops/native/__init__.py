@@ -20,10 +20,11 @@ ahead) and used only when
   default on),
 - no autograd graph is recorded, tensors are on the CPU and computed in float32 (bf16/fp16 inputs
   are read as they are and converted chunk by chunk),
-- it compiled and this PyTorch build exports ``sgemm`` (x86 builds with MKL),
-- for :func:`causal_positive` (one scan per thread): there are at least half as many
-  (batch × kv head) scans as threads (:func:`enough_tasks`); the band kernel splits by query
-  chunk and has no such limit.
+- it compiled and this PyTorch build exports ``sgemm`` (x86 builds with MKL).
+
+With fewer (batch × kv head) scans than 2 × threads, :func:`causal_positive` splits each scan into
+segments (their state increments first, in parallel, then every segment from its incoming state),
+so a model with few kv heads still uses every thread.
 
 Anything else (no compiler, a build error, GPUs, training) takes the PyTorch path; a failed build is
 logged once as a warning and not retried in the process.
@@ -156,14 +157,6 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return load() is not None
 
 
-def enough_tasks(tasks: int) -> bool:
-    """Whether ``tasks`` independent (batch × kv head) scans keep this process's threads busy
-    enough for :func:`causal_positive`, which runs one scan per thread: at least half of
-    ``torch.get_num_threads()``. Below that (few kv heads on a many-core machine) the PyTorch
-    form, which spreads every matmul over all threads, is used instead."""
-    return 2 * tasks >= torch.get_num_threads()
-
-
 def causal_positive(
     xq: torch.Tensor,
     xk: torch.Tensor,
@@ -177,6 +170,7 @@ def causal_positive(
     eps: float | None,
     floor: float,
     dest: torch.Tensor | None = None,
+    segments: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the kernel. ``xq [B,H,N,D]``, ``xk [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]`` (float32, bfloat16
     or float16; raw, the map's ``params = (W [F,D], bias [F] | None, coef, c0)`` hold the scale):
@@ -188,6 +182,11 @@ def causal_positive(
     without, ``out [B,H,N,Dv+1]`` (numerator, denominator), ``mt [B,Hkv,N]`` (running key max) and
     ``lq [B,H,N]`` (query log scales): the output's log scale is ``mt + lq``. ``dest``: a
     contiguous float32 tensor of ``B·H·N·Dv`` elements to write the normalised output into.
+    ``segments``: split each scan into this many segments (0: automatic — one per scan when there
+    are at least 2 × threads scans, else enough for 2 × threads parallel pieces). The segments'
+    state increments are computed in parallel first (keys only), combined in order, then every
+    segment runs from its incoming state: more parallelism for few kv heads, at the cost of the
+    keys' features and state products twice.
     """
     mod = load()
     if mod is None:
@@ -208,7 +207,7 @@ def causal_positive(
         out, mt, lq = (dest if usable_dest else torch.empty(b, h, n, dv, **f32)), empty, empty
     else:
         out, mt, lq = torch.empty(b, h, n, dv + 1, **f32), torch.empty(b, hkv, n, **f32), torch.empty(b, h, n, **f32)
-    mod.causal_positive(xq, xk, v, W.to(torch.float32).contiguous(), bias_t, float(coef), float(c0), km, la, S, ref, int(chunk), -1.0 if eps is None else float(eps), float(floor), out, mt, lq)
+    mod.causal_positive(xq, xk, v, W.to(torch.float32).contiguous(), bias_t, float(coef), float(c0), km, la, S, ref, int(chunk), -1.0 if eps is None else float(eps), float(floor), out, mt, lq, int(segments))
     if eps is not None and dest is not None and out is not dest:
         out = dest.copy_(out.view(dest.shape))
     return out, (mt if eps is None else None), (lq if eps is None else None)

@@ -90,7 +90,8 @@ inline void load_rows(const T* src, int64_t stride, int R, int D, float* dst) {
 template <typename T>
 void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const at::Tensor& W, const at::Tensor& bias,
          double coef, double c0, const at::Tensor& key_mask, const at::Tensor& lk_add, at::Tensor& S, at::Tensor& ref,
-         int64_t chunk, double eps, double floor_, at::Tensor& out, const at::Tensor& mt_out, const at::Tensor& lq_out) {
+         int64_t chunk, double eps, double floor_, at::Tensor& out, const at::Tensor& mt_out, const at::Tensor& lq_out,
+         int64_t segments) {
   const int64_t B = xq.size(0), H = xq.size(1), N = xq.size(2), D = xq.size(3);
   const int64_t Hkv = xk.size(1), G = H / Hkv, Dv = v.size(3), Dv1 = Dv + 1, F = W.size(0);
   const bool norm = eps >= 0.0;
@@ -112,32 +113,32 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
   const int C = (int)chunk;
   const float fl = (float)floor_;
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    // the state's value part Sv [F,Dv] and its denominator part z [F] are kept apart: every
-    // matmul then has width Dv (64, a multiple of the vector width) instead of Dv+1
-    const int64_t TB = (int64_t)C * kChunksPerFeatureBlock;  // tokens whose features are computed together
-    std::vector<float> xs((size_t)(G + 1) * TB * D), Fq((size_t)(G + 1) * TB * F), ls((size_t)(G + 1) * TB), mt(C);
-    std::vector<float> V((size_t)C * Dv), Wv((size_t)C * Dv), w((size_t)C), A((size_t)G * C * C), dec((size_t)C * C);
-    std::vector<float> O((size_t)G * C * Dv), den((size_t)G * C), Sv((size_t)F * Dv), z(F);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, j = task % Hkv;
-      float* St = Sp + task * F * Dv1;
-      for (int64_t f = 0; f < F; ++f) {
-        std::copy(St + f * Dv1, St + f * Dv1 + Dv, Sv.data() + f * Dv);
-        z[f] = St[f * Dv1 + Dv];
-      }
-      float r = refp[task];
-      for (int64_t b0 = 0; b0 < N; b0 += TB) {
+  // the state's value part Sv [F,Dv] and its denominator part z [F] are kept apart: every
+  // matmul then has width Dv (64, a multiple of the vector width) instead of Dv+1
+  const int64_t TB = (int64_t)C * kChunksPerFeatureBlock;  // tokens whose features are computed together
+  struct Scratch {
+    std::vector<float> xs, Fq, ls, mt, V, Wv, w, A, dec, O, den;
+    Scratch(int64_t G, int64_t TB, int64_t C, int64_t D, int64_t F, int64_t Dv)
+        : xs((G + 1) * TB * D), Fq((G + 1) * TB * F), ls((G + 1) * TB), mt(C), V(C * Dv), Wv(C * Dv), w(C),
+          A(G * C * C), dec(C * C), O(G * C * Dv), den(G * C) {}
+  };
+  // scan tokens [n0, n1) of one (batch, kv head) from the state (Sv, z, r), which it advances;
+  // emit: also the queries and outputs (else only the keys' state increments)
+  auto scan = [&](Scratch& sc, int64_t task, int64_t n0, int64_t n1, float* Sv, float* z, float& r, bool emit) {
+    auto &xs = sc.xs, &Fq = sc.Fq, &ls = sc.ls, &mt = sc.mt, &V = sc.V, &Wv = sc.Wv, &w = sc.w, &A = sc.A;
+    auto &dec = sc.dec, &O = sc.O, &den = sc.den;
+    const int64_t b = task / Hkv, j = task % Hkv;
+      for (int64_t b0 = n0; b0 < n1; b0 += TB) {
         // ---- features of a block of up to TB tokens in one gemm: rows [keys of the block] then,
         // chunk by chunk, [queries of head 0, …, head G-1] (each chunk's G·c query rows contiguous)
-        const int64_t tb = std::min<int64_t>(TB, N - b0);
+        const int64_t tb = std::min<int64_t>(TB, n1 - b0);
         load_rows(xkp + b * skb + j * skh + b0 * skn, skn, (int)tb, (int)D, xs.data());
-        for (int64_t c0 = 0; c0 < tb; c0 += C) {
+        for (int64_t c0 = 0; emit && c0 < tb; c0 += C) {
           const int64_t cc = std::min<int64_t>(C, tb - c0);
           for (int64_t g = 0; g < G; ++g)
             load_rows(xqp + b * sqb + (j * G + g) * sqh + (b0 + c0) * sqn, sqn, (int)cc, (int)D, xs.data() + (tb + G * c0 + g * cc) * D);
         }
-        features(xs.data(), (int)((G + 1) * tb), (int)D, Wp, bp, (int)F, (float)coef, (float)c0, fl, Fq.data(), ls.data());
+        features(xs.data(), (int)((emit ? G + 1 : 1) * tb), (int)D, Wp, bp, (int)F, (float)coef, (float)c0, fl, Fq.data(), ls.data());
         // key log scales; masked keys: zero features, log scale NEG
         for (int64_t s = 0; s < tb; ++s) {
           if (lap != nullptr) ls[s] += lap[task * N + b0 + s];
@@ -157,6 +158,7 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
         // ---- running max and intra-chunk decay [s <= t] exp(lk_s - mt_t)
         float m = r;
         for (int t = 0; t < c; ++t) mt[t] = m = std::max(m, lk[t]);
+        if (emit) {
         for (int t = 0; t < c; ++t) {
           float* dr = dec.data() + (int64_t)t * c;
           const float mtt = mt[t];
@@ -170,7 +172,7 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
         for (int t = 0; t < c; ++t)
           for (int s = t + 1; s < c; ++s) dec[(int64_t)t * c + s] = 0.0f;
         // ---- inter-chunk part: O = exp(r - mt_t) Qf Sv, den = exp(r - mt_t) Qf z
-        gemm(false, false, gc, (int)Dv, (int)F, Qf, (int)F, Sv.data(), (int)Dv, 0.0f, O.data(), (int)Dv);
+        gemm(false, false, gc, (int)Dv, (int)F, Qf, (int)F, Sv, (int)Dv, 0.0f, O.data(), (int)Dv);
         for (int i = 0; i < gc; ++i) {
           const float* qr = Qf + (int64_t)i * F;
           float acc = 0.0f;
@@ -203,6 +205,7 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
             den[g * c + t] += acc;
           }
         gemm(false, false, gc, (int)Dv, c, A.data(), c, V.data(), (int)Dv, 1.0f, O.data(), (int)Dv);
+        }
         // ---- state: Sv = e^(r - r_end) Sv + Kf^T (V .* w), z = e^(r - r_end) z + Kf^T w, w = e^(lk - r_end)
         const float r_end = mt[c - 1];
         for (int s = 0; s < c; ++s) {
@@ -220,7 +223,7 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
 #pragma omp simd
           for (int64_t f = 0; f < F; ++f) z[f] *= carry;
         }
-        gemm(true, false, (int)F, (int)Dv, c, Kf, (int)F, Wv.data(), (int)Dv, 1.0f, Sv.data(), (int)Dv);
+        gemm(true, false, (int)F, (int)Dv, c, Kf, (int)F, Wv.data(), (int)Dv, 1.0f, Sv, (int)Dv);
         for (int s = 0; s < c; ++s) {
           const float* kr = Kf + (int64_t)s * F;
           const float ws = w[s];
@@ -229,7 +232,7 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
         }
         r = r_end;
         // ---- emit
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; emit && g < G; ++g) {
           const int64_t h = j * G + g;
           for (int t = 0; t < c; ++t) {
             const float* o = O.data() + (g * c + t) * Dv;
@@ -247,15 +250,80 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
             }
           }
         }
-        if (!norm)
+        if (emit && !norm)
           for (int t = 0; t < c; ++t) mtp[task * N + t0 + t] = mt[t];
       }
       }
-      for (int64_t f = 0; f < F; ++f) {
-        std::copy(Sv.data() + f * Dv, Sv.data() + f * Dv + Dv, St + f * Dv1);
-        St[f * Dv1 + Dv] = z[f];
+  };
+
+  // Tokens of a scan are split into P segments when there are fewer scans than 2x threads: the
+  // segments' own state increments are computed in parallel (keys only), combined in order,
+  // and then every segment runs in parallel from its incoming state (P = 1: one pass).
+  const int64_t tasks = B * Hkv, nch = (N + C - 1) / C;
+  int64_t P = segments > 0 ? segments : (2 * at::get_num_threads() + tasks - 1) / tasks;
+  P = std::max<int64_t>(1, std::min<int64_t>(P, nch));
+  const int64_t seg = (nch + P - 1) / P * C;  // tokens per segment (whole chunks)
+  P = (N + seg - 1) / seg;
+  std::vector<float> segS((size_t)tasks * P * F * Dv1);  // per (task, segment): incoming [Sv | z]
+  std::vector<float> segR((size_t)tasks * P);
+  if (P > 1) {
+    // increments of segments 0..P-2, relative to their own running max
+    std::vector<float> inc((size_t)tasks * (P - 1) * F * Dv1, 0.0f), incR((size_t)tasks * (P - 1), -1e30f);
+    at::parallel_for(0, tasks * (P - 1), 1, [&](int64_t begin, int64_t end) {
+      Scratch sc(G, TB, C, D, F, Dv);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t task = u / (P - 1), p = u % (P - 1);
+        float* Sv = inc.data() + u * F * Dv1;
+        scan(sc, task, p * seg, std::min<int64_t>(N, (p + 1) * seg), Sv, Sv + F * Dv, incR[u], false);
       }
-      refp[task] = r;
+    });
+    // incoming state of each segment: the previous one's, advanced by its increment
+    for (int64_t task = 0; task < tasks; ++task) {
+      float* S0 = segS.data() + task * P * F * Dv1;
+      const float* St = Sp + task * F * Dv1;
+      for (int64_t f = 0; f < F; ++f) {
+        std::copy(St + f * Dv1, St + f * Dv1 + Dv, S0 + f * Dv);
+        S0[F * Dv + f] = St[f * Dv1 + Dv];
+      }
+      segR[task * P] = refp[task];
+      for (int64_t p = 1; p < P; ++p) {
+        const float* prev = S0 + (p - 1) * F * Dv1;
+        const float* add = inc.data() + (task * (P - 1) + p - 1) * F * Dv1;
+        const float ra = segR[task * P + p - 1], rb = incR[task * (P - 1) + p - 1], rn = std::max(ra, rb);
+        const float wa = std::exp(std::max(ra - rn, fl)), wb = std::exp(std::max(rb - rn, fl));
+        float* cur = S0 + p * F * Dv1;
+#pragma omp simd
+        for (int64_t i = 0; i < F * Dv1; ++i) cur[i] = wa * prev[i] + wb * add[i];
+        segR[task * P + p] = rn;
+      }
+    }
+  } else {
+    for (int64_t task = 0; task < tasks; ++task) {
+      const float* St = Sp + task * F * Dv1;
+      float* S0 = segS.data() + task * F * Dv1;
+      for (int64_t f = 0; f < F; ++f) {
+        std::copy(St + f * Dv1, St + f * Dv1 + Dv, S0 + f * Dv);
+        S0[F * Dv + f] = St[f * Dv1 + Dv];
+      }
+      segR[task] = refp[task];
+    }
+  }
+  // every segment from its incoming state; the last one's final state is the result
+  at::parallel_for(0, tasks * P, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(G, TB, C, D, F, Dv);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t task = u / P, p = u % P;
+      float* Sv = segS.data() + u * F * Dv1;
+      float r = segR[u];
+      scan(sc, task, p * seg, std::min<int64_t>(N, (p + 1) * seg), Sv, Sv + F * Dv, r, true);
+      if (p == P - 1) {
+        float* St = Sp + task * F * Dv1;
+        for (int64_t f = 0; f < F; ++f) {
+          std::copy(Sv + f * Dv, Sv + f * Dv + Dv, St + f * Dv1);
+          St[f * Dv1 + Dv] = Sv[F * Dv + f];
+        }
+        refp[task] = r;
+      }
     }
   });
 }
@@ -267,18 +335,18 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
 void causal_positive(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const at::Tensor& W,
                      const at::Tensor& bias, double coef, double c0, const at::Tensor& key_mask, const at::Tensor& lk_add,
                      at::Tensor S, at::Tensor ref, int64_t chunk, double eps, double floor_, at::Tensor out,
-                     at::Tensor mt_out, at::Tensor lq_out) {
+                     at::Tensor mt_out, at::Tensor lq_out, int64_t segments) {
   TORCH_CHECK(available(), "hf_rfa native kernel: no sgemm in this PyTorch build");
   TORCH_CHECK(xq.scalar_type() == xk.scalar_type() && xk.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
   TORCH_CHECK(xq.stride(3) == 1 && xk.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit inner stride");
   TORCH_CHECK(W.is_contiguous() && S.is_contiguous() && ref.is_contiguous() && out.is_contiguous(), "contiguous buffers");
   TORCH_CHECK(W.scalar_type() == at::kFloat && S.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 buffers");
   if (xq.scalar_type() == at::kFloat) {
-    run<float>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out);
+    run<float>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
   } else if (xq.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out);
+    run<at::BFloat16>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
   } else if (xq.scalar_type() == at::kHalf) {
-    run<at::Half>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out);
+    run<at::Half>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
   } else {
     TORCH_CHECK(false, "q/k/v must be float32, bfloat16 or float16");
   }
