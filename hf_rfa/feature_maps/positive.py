@@ -71,13 +71,27 @@ class PositiveRandomFeatures(RandomProjectionMap):
     def feature_dim(self) -> int:
         return self.num_features
 
+    def _affine(self, x_scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, float, float | torch.Tensor]:
+        """The map's exponent as ``x Wᵀ + bias`` (per feature) plus ``coef·‖x‖² + c0`` (per token),
+        for inputs multiplied by ``x_scale``: ``(W [m,D], bias [m] or None, coef, c0)``. The one
+        place the form is written; autograd flows through ω."""
+        w = self.omega.to(dtype)
+        return (w * x_scale if x_scale != 1.0 else w), None, -0.5 * x_scale**2, -0.5 * math.log(self.num_features)
+
     def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ωᵀx [B,H,N,m], −‖x‖²/2 − ½ log m [B,H,N])`` of ``x * x_scale``; ``out``: where to
-        write ωᵀx (no autograd). The scale multiplies ω and the norm, never x."""
+        """``(x Wᵀ + bias [B,H,N,m], coef·‖x‖² + c0 [B,H,N])`` of :meth:`_affine`; ``out``: where to
+        write the first (no autograd). The scale multiplies ω and the norm, never x."""
         x = upcast(x)
-        w = self.omega.to(x.dtype)
-        proj = torch.matmul(x, (w * x_scale if x_scale != 1.0 else w).T, out=out)  # [B,H,N,m]
-        return proj, _half_sq_norm(x).mul_(-(x_scale**2)).sub_(0.5 * math.log(self.num_features))
+        W, bias, coef, c0 = self._affine(x_scale, x.dtype)
+        proj = torch.matmul(x, W.T, out=out)  # [B,H,N,m]
+        if bias is not None:
+            proj = proj.add_(bias) if out is not None else proj + bias
+        return proj, _half_sq_norm(x).mul_(2 * coef).add_(c0)
+
+    def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+        with torch.no_grad():
+            W, bias, coef, c0 = self._affine(x_scale, torch.float32)
+        return W, bias, coef, float(c0)
 
     def forward_queries(self, x: torch.Tensor) -> Features:
         return _positive_features(*self._log_features(x))
@@ -90,11 +104,6 @@ class PositiveRandomFeatures(RandomProjectionMap):
             c = proj.amax(dim=-1)
             # floored exponents: features < 3.2e-38 of the token's largest could become denormals (slow)
             return Features(proj.sub_(c.unsqueeze(-1)).clamp_min_(exp_floor(proj.dtype)).exp_(), c.add_(token_term))
-
-
-    def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
-        w = self.omega.detach().float()
-        return w * x_scale, None, -0.5 * x_scale**2, -0.5 * math.log(self.num_features)
 
 
 @register_feature_map("favor+")
@@ -131,24 +140,12 @@ class FavorPlusPlus(PositiveRandomFeatures):
         self.rho.fill_(max(rho, 0.0))
         return rho
 
-    def _log_features(self, x: torch.Tensor, out: torch.Tensor | None = None, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        x = upcast(x)
-        a = self.optimal_a(self.rho.to(x.dtype))
-        w = self.omega.to(x.dtype)
-        # A‖ω_j‖² varies over features: it belongs to the per-feature part
-        if out is None:
-            xs = x * x_scale if x_scale != 1.0 else x
-            proj = (xs @ w.T) * torch.sqrt(1 - 4 * a) + a * w.pow(2).sum(-1)
-        else:  # inference into a buffer: in place, √(1−4A)·x_scale folded into ω
-            proj = torch.matmul(x, (w * (torch.sqrt(1 - 4 * a) * x_scale)).T, out=out).add_(a * w.pow(2).sum(-1))
+    def _affine(self, x_scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, float, float | torch.Tensor]:
+        # √(1−4A)·ωᵀx + A‖ω_j‖² (the latter varies over features: the bias), const per token
+        a = self.optimal_a(self.rho.to(dtype))
+        w = self.omega.to(dtype)
         const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
-        return proj, const - _half_sq_norm(x) * x_scale**2
-
-    def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
-        w = self.omega.detach().float()
-        a = self.optimal_a(self.rho.detach().float())
-        const = 0.25 * self.head_dim * torch.log(1 - 4 * a) - 0.5 * math.log(self.num_features)
-        return w * (torch.sqrt(1 - 4 * a) * x_scale), a * w.pow(2).sum(-1), -0.5 * x_scale**2, float(const)
+        return w * (torch.sqrt(1 - 4 * a) * x_scale), a * w.pow(2).sum(-1), -0.5 * x_scale**2, const
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rho={float(self.rho):.3f}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, native
+from . import native
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
@@ -86,7 +86,7 @@ def random_feature_attention(
         params = feature_map.parameters() if isinstance(feature_map, torch.nn.Module) else ()
         fused = not needs_grad(q, k, v, *params)
     # exact part of a causal hybrid in inference: the compiled CPU kernel reads raw q/k/v
-    native_band = (window > 0 or sinks > 0) and causal and not kernels.compile_enabled() and not needs_grad(q, k, v) and native.usable(q.device, ct)
+    native_band = (window > 0 or sinks > 0) and causal and not needs_grad(q, k, v) and native.usable(q.device, ct)
     if not fused or ((window > 0 or sinks > 0) and not native_band) or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v

@@ -363,7 +363,7 @@ def causal_feature_attention(
     params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
     st_t = (state.S, state.z, state.ref) if state is not None else ()
     infer = not needs_grad(xq, xk, v, lq_add, lk_add, *st_t, *params)
-    if infer and not kernels.compile_enabled() and native.usable(xq.device, ct):
+    if infer and native.usable(xq.device, ct):
         nparams = feature_map.native_params(x_scale)
         if nparams is not None:
             if state is None:
@@ -413,8 +413,8 @@ def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int,
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]
     g = h // hkv
-    S = torch.cat([state.S, state.z.unsqueeze(-1)], dim=-1).to(torch.float32).contiguous()  # updated in place
-    ref = state.ref.to(torch.float32).clone()
+    S, ref = _state_matrix(state, True)
+    S, ref = S.to(torch.float32).contiguous(), ref.to(torch.float32).clone()  # updated in place
     o, mt, lq = native.causal_positive(xq, xk, v, params, key_mask, lk_add, S, ref, chunk_size, eps if out is not None else None, exp_floor(torch.float32), dest=out)
     st = LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
     if out is not None:

@@ -17,7 +17,7 @@ under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; ``scripts/setup
 ahead) and used only when
 
 - it is enabled: :func:`set_native` or the environment variable ``HF_RFA_NATIVE`` (``1``/``0``;
-  default on),
+  default on), and the opt-in ``torch.compile`` kernels (``hf_rfa.set_compile``) are off,
 - no autograd graph is recorded, tensors are on the CPU and computed in float32 (bf16/fp16 inputs
   are read as they are and converted chunk by chunk),
 - it compiled and this PyTorch build exports ``sgemm`` (x86 builds with MKL).
@@ -42,6 +42,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from .. import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +153,24 @@ def load(verbose: bool = False):
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a call on ``device`` computing in ``dtype`` would run the compiled kernel (builds it
-    on first use)."""
-    if not _STATE["enabled"] or device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling():
+    on first use). Not while the opt-in ``torch.compile`` kernels (:mod:`.kernels`) are on: those
+    then take the PyTorch forms they compile."""
+    if not _STATE["enabled"] or device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling() or kernels.compile_enabled():
         return False
     return load() is not None
+
+
+def _inputs(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None):
+    """``(module, xq, xk, v, key_mask)`` as the kernels take them: unit inner stride, one dtype,
+    the mask as a bool tensor (empty when None)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"hf_rfa native kernel unavailable: {_STATE['failed']}")
+    xq, xk, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (xq, xk, v))
+    if not (xq.dtype == xk.dtype == v.dtype):
+        xk, v = xk.to(xq.dtype), v.to(xq.dtype)
+    km = key_mask.to(torch.bool).contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
+    return mod, xq, xk, v, km
 
 
 def causal_positive(
@@ -188,18 +204,12 @@ def causal_positive(
     segment runs from its incoming state: more parallelism for few kv heads, at the cost of the
     keys' features and state products twice.
     """
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"hf_rfa native kernel unavailable: {_STATE['failed']}")
+    mod, xq, xk, v, km = _inputs(xq, xk, v, key_mask)
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]
     W, bias, coef, c0 = params
-    xq, xk, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (xq, xk, v))
-    if not (xq.dtype == xk.dtype == v.dtype):
-        xk, v = xk.to(xq.dtype), v.to(xq.dtype)
     f32 = {"dtype": torch.float32, "device": xq.device}
     empty = torch.empty(0, **f32)
-    km = key_mask.to(torch.bool).contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
     la = lk_add.to(torch.float32).contiguous() if lk_add is not None else empty
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else empty
     if eps is not None:
@@ -233,17 +243,11 @@ def causal_band(
     Returns float32 ``(num [B,H,N,Dv], den [B,H,N], ls [B,H,N])``: the Partial with each row's
     max visible score as log scale (NEG where nothing is visible).
     """
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"hf_rfa native kernel unavailable: {_STATE['failed']}")
+    mod, xq, xk, v, km = _inputs(xq, xk, v, key_mask)
     b, h, n, _ = xq.shape
     dv = v.shape[-1]
-    xq, xk, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (xq, xk, v))
-    if not (xq.dtype == xk.dtype == v.dtype):
-        xk, v = xk.to(xq.dtype), v.to(xq.dtype)
     f32 = {"dtype": torch.float32, "device": xq.device}
     num, den, ls = torch.empty(b, h, n, dv, **f32), torch.empty(b, h, n, **f32), torch.empty(b, h, n, **f32)
-    km = key_mask.to(torch.bool).contiguous() if key_mask is not None else torch.empty(0, dtype=torch.bool)
     sp = sink_pos.to(torch.int64).contiguous() if sink_pos is not None else torch.empty(0, dtype=torch.int64)
     so = sink_ok.to(torch.bool).contiguous() if sink_ok is not None else torch.empty(0, dtype=torch.bool)
     mod.causal_band(xq, xk, v, float(scale), km, int(window), sp, so, int(chunk), float(floor), num, den, ls)

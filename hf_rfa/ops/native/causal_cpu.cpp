@@ -81,6 +81,20 @@ void features(const float* X, int R, int D, const float* W, const float* bias, i
   exp_inplace(Fo, R * F);
 }
 
+// the checks both kernels make of q, k, v; then fn(T{}) with T their element type
+template <typename Fn>
+void dispatch_qkv(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, Fn&& fn) {
+  TORCH_CHECK(available(), "hf_rfa native kernel: no sgemm in this PyTorch build");
+  TORCH_CHECK(xq.scalar_type() == xk.scalar_type() && xk.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+  TORCH_CHECK(xq.stride(3) == 1 && xk.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit inner stride");
+  switch (xq.scalar_type()) {
+    case at::kFloat: return fn(float{});
+    case at::kBFloat16: return fn(at::BFloat16{});
+    case at::kHalf: return fn(at::Half{});
+    default: TORCH_CHECK(false, "q/k/v must be float32, bfloat16 or float16");
+  }
+}
+
 template <typename T>
 inline void load_rows(const T* src, int64_t stride, int R, int D, float* dst) {
   for (int r = 0; r < R; ++r)
@@ -266,6 +280,15 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
   P = (N + seg - 1) / seg;
   std::vector<float> segS((size_t)tasks * P * F * Dv1);  // per (task, segment): incoming [Sv | z]
   std::vector<float> segR((size_t)tasks * P);
+  for (int64_t task = 0; task < tasks; ++task) {  // segment 0: the incoming state, split
+    const float* St = Sp + task * F * Dv1;
+    float* S0 = segS.data() + task * P * F * Dv1;
+    for (int64_t f = 0; f < F; ++f) {
+      std::copy(St + f * Dv1, St + f * Dv1 + Dv, S0 + f * Dv);
+      S0[F * Dv + f] = St[f * Dv1 + Dv];
+    }
+    segR[task * P] = refp[task];
+  }
   if (P > 1) {
     // increments of segments 0..P-2, relative to their own running max
     std::vector<float> inc((size_t)tasks * (P - 1) * F * Dv1, 0.0f), incR((size_t)tasks * (P - 1), -1e30f);
@@ -277,36 +300,18 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
         scan(sc, task, p * seg, std::min<int64_t>(N, (p + 1) * seg), Sv, Sv + F * Dv, incR[u], false);
       }
     });
-    // incoming state of each segment: the previous one's, advanced by its increment
-    for (int64_t task = 0; task < tasks; ++task) {
-      float* S0 = segS.data() + task * P * F * Dv1;
-      const float* St = Sp + task * F * Dv1;
-      for (int64_t f = 0; f < F; ++f) {
-        std::copy(St + f * Dv1, St + f * Dv1 + Dv, S0 + f * Dv);
-        S0[F * Dv + f] = St[f * Dv1 + Dv];
-      }
-      segR[task * P] = refp[task];
+    // incoming state of segment p: that of p-1 advanced by p-1's increment
+    for (int64_t task = 0; task < tasks; ++task)
       for (int64_t p = 1; p < P; ++p) {
-        const float* prev = S0 + (p - 1) * F * Dv1;
+        const float* prev = segS.data() + (task * P + p - 1) * F * Dv1;
         const float* add = inc.data() + (task * (P - 1) + p - 1) * F * Dv1;
         const float ra = segR[task * P + p - 1], rb = incR[task * (P - 1) + p - 1], rn = std::max(ra, rb);
         const float wa = std::exp(std::max(ra - rn, fl)), wb = std::exp(std::max(rb - rn, fl));
-        float* cur = S0 + p * F * Dv1;
+        float* cur = segS.data() + (task * P + p) * F * Dv1;
 #pragma omp simd
         for (int64_t i = 0; i < F * Dv1; ++i) cur[i] = wa * prev[i] + wb * add[i];
         segR[task * P + p] = rn;
       }
-    }
-  } else {
-    for (int64_t task = 0; task < tasks; ++task) {
-      const float* St = Sp + task * F * Dv1;
-      float* S0 = segS.data() + task * F * Dv1;
-      for (int64_t f = 0; f < F; ++f) {
-        std::copy(St + f * Dv1, St + f * Dv1 + Dv, S0 + f * Dv);
-        S0[F * Dv + f] = St[f * Dv1 + Dv];
-      }
-      segR[task] = refp[task];
-    }
   }
   // every segment from its incoming state; the last one's final state is the result
   at::parallel_for(0, tasks * P, 1, [&](int64_t begin, int64_t end) {
@@ -336,20 +341,11 @@ void causal_positive(const at::Tensor& xq, const at::Tensor& xk, const at::Tenso
                      const at::Tensor& bias, double coef, double c0, const at::Tensor& key_mask, const at::Tensor& lk_add,
                      at::Tensor S, at::Tensor ref, int64_t chunk, double eps, double floor_, at::Tensor out,
                      at::Tensor mt_out, at::Tensor lq_out, int64_t segments) {
-  TORCH_CHECK(available(), "hf_rfa native kernel: no sgemm in this PyTorch build");
-  TORCH_CHECK(xq.scalar_type() == xk.scalar_type() && xk.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
-  TORCH_CHECK(xq.stride(3) == 1 && xk.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit inner stride");
   TORCH_CHECK(W.is_contiguous() && S.is_contiguous() && ref.is_contiguous() && out.is_contiguous(), "contiguous buffers");
   TORCH_CHECK(W.scalar_type() == at::kFloat && S.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 buffers");
-  if (xq.scalar_type() == at::kFloat) {
-    run<float>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
-  } else if (xq.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
-  } else if (xq.scalar_type() == at::kHalf) {
-    run<at::Half>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
-  } else {
-    TORCH_CHECK(false, "q/k/v must be float32, bfloat16 or float16");
-  }
+  dispatch_qkv(xq, xk, v, [&](auto tag) {
+    run<decltype(tag)>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -478,20 +474,11 @@ void band_run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, d
 void causal_band(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, double scale, const at::Tensor& key_mask,
                  int64_t window, const at::Tensor& sink_pos, const at::Tensor& sink_ok, int64_t chunk, double floor_,
                  at::Tensor num, at::Tensor den, at::Tensor ls) {
-  TORCH_CHECK(available(), "hf_rfa native kernel: no sgemm in this PyTorch build");
-  TORCH_CHECK(xq.scalar_type() == xk.scalar_type() && xk.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
-  TORCH_CHECK(xq.stride(3) == 1 && xk.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit inner stride");
   TORCH_CHECK(num.is_contiguous() && den.is_contiguous() && ls.is_contiguous(), "contiguous outputs");
   TORCH_CHECK(window >= 0 && chunk >= 1, "window >= 0, chunk >= 1");
-  if (xq.scalar_type() == at::kFloat) {
-    band_run<float>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
-  } else if (xq.scalar_type() == at::kBFloat16) {
-    band_run<at::BFloat16>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
-  } else if (xq.scalar_type() == at::kHalf) {
-    band_run<at::Half>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
-  } else {
-    TORCH_CHECK(false, "q/k/v must be float32, bfloat16 or float16");
-  }
+  dispatch_qkv(xq, xk, v, [&](auto tag) {
+    band_run<decltype(tag)>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
+  });
 }
 
 }  // namespace
