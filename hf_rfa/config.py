@@ -49,6 +49,8 @@ class RFAConfig:
         for name in ("gate", "per_head", "checkpoint_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
+        if self.feature_map == "none" and self.window == 0 and self.sinks == 0:
+            raise ValueError("feature_map='none' (window-only baseline) needs window > 0 or sinks > 0")
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:

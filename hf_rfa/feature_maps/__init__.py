@@ -4,7 +4,7 @@ from .base import FeatureMap, Features, derive_seed, generator_for
 from .registry import available_feature_maps, build_feature_map, feature_map_class, register_feature_map
 
 # importing the families registers them
-from . import fourier, learned, positive  # noqa: E402,F401
+from . import fourier, learned, none, positive  # noqa: E402,F401
 
 __all__ = [
     "FeatureMap",

@@ -74,6 +74,8 @@ class FeatureMap(nn.Module):
     eps: float = 1e-20
     #: True when a learned gate is available (RFA); the ops then call :meth:`log_gate`.
     has_gate: bool = False
+    #: True for the ``none`` map: no feature part, keys outside the window and sinks are dropped.
+    null: bool = False
 
     def __init__(
         self,

@@ -67,6 +67,9 @@ def random_feature_attention(
     _check_int("chunk_size", chunk_size, 1)
     if not causal and window > 0 and nq != nk:
         raise ValueError(f"a bidirectional window needs Nq == Nk, got Nq={nq}, Nk={nk}")
+    null = getattr(feature_map, "null", False)
+    if null and window == 0 and sinks == 0:
+        raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
     scale = d**-0.5 if scale is None else float(scale)
     out_dtype = q.dtype
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -87,6 +90,8 @@ def random_feature_attention(
         fused = not needs_grad(q, k, v, *params)
     # exact part of a causal hybrid in inference: the compiled CPU kernel reads raw q/k/v
     native_band = (window > 0 or sinks > 0) and causal and not needs_grad(q, k, v) and native.usable(q.device, ct)
+    if null:  # window-only baseline: nothing but the exact part
+        fused = True
     if not fused or ((window > 0 or sinks > 0) and not native_band) or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v
@@ -127,7 +132,7 @@ def random_feature_attention(
         parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
     elif window > 0 or sinks > 0:
         parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
-    if window < n:
+    if window < n and not null:
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None

@@ -256,7 +256,7 @@ def continue_attention(
         # origin: just before the new tokens; kept keys carry the decay they have had so far
         win_decay = torch.cat([state.win_decay, -cl], dim=-1)
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
-    e = max(0, big_l - window)
+    e = max(0, big_l - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
     if e > 0:
         early = n - e  # > 0 only while the window is filling (the state is still empty)
         # queries whose features are needed here: the early ones read the state; the late ones too
