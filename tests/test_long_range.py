@@ -1,0 +1,86 @@
+"""Long-range evaluators (copy, passkey): structure of the prompts and determinism on a tiny model."""
+
+import pytest
+import torch
+
+import hf_rfa
+from hf_rfa import long_range
+from tiny_models import tiny_model
+
+
+class _DigitTokenizer:
+    """A stand-in tokenizer: one token per character (digits stay single tokens, like SmolLM2's)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 97 + 2 for c in text]}
+
+
+def test_copy_sequences_repeat_the_passage_and_are_seeded():
+    ids = torch.arange(5000)
+    seqs = long_range.copy_sequences(ids, passage=32, gap=100, draws=4, seed=3)
+    assert seqs.shape == (4, 164)
+    assert torch.equal(seqs[:, :32], seqs[:, 132:])  # the second copy is the first
+    assert not torch.equal(seqs[:, :32], seqs[:, 32:64])
+    assert torch.equal(seqs, long_range.copy_sequences(ids, 32, 100, 4, seed=3))
+    assert not torch.equal(seqs, long_range.copy_sequences(ids, 32, 100, 4, seed=4))
+    with pytest.raises(ValueError, match="needs a text"):
+        long_range.copy_sequences(torch.arange(100), 32, 100, 4, 0)
+    with pytest.raises(ValueError, match="draws"):
+        long_range.copy_sequences(ids, 32, 100, 0, 0)
+
+
+def test_copy_task_is_deterministic_and_sees_the_first_copy_only_through_attention():
+    ids = torch.randint(2, 100, (4000,), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("llama")
+    a = long_range.copy_task(model, ids, gap=40, passage=24, draws=3, skip=4, progress=False)
+    b = long_range.copy_task(model, ids, gap=40, passage=24, draws=3, skip=4, progress=False)
+    assert a == b and a["length"] == 88 and len(a["per_draw"]) == 3
+    # window-only with a window shorter than the gap cannot see the first copy: dropping the first
+    # copy's tokens from view changes the second copy's perplexity only through attention
+    none = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="none", window=8, sinks=1))
+    c = long_range.copy_task(none, ids, gap=40, passage=24, draws=3, skip=4, progress=False)
+    assert c["second"] != a["second"]
+
+
+def test_passkey_prompt_places_the_key_at_the_depth():
+    tok = _DigitTokenizer()
+    for depth in (0.1, 0.5, 0.9):
+        prompt, answer = long_range.passkey_prompt(tok, 2000, depth, "12345")
+        assert abs(len(prompt) + len(answer) - 2000) < 200
+        needle = tok(" The pass key is 12345")["input_ids"]
+        pos = next(i for i in range(len(prompt)) if prompt[i : i + len(needle)].tolist() == needle)
+        assert abs(pos / len(prompt) - depth) < 0.1
+        assert answer.tolist() == tok(" 12345")["input_ids"]
+    with pytest.raises(ValueError, match="too short"):
+        long_range.passkey_prompt(tok, 50, 0.5, "12345")
+
+
+def test_passkey_task_is_deterministic_and_counts_exact_matches():
+    tok = _DigitTokenizer()
+    model = tiny_model("llama")
+    r1 = long_range.passkey_task(model, tok, lengths=[300], depths=[0.5], trials=3, batch_size=2, progress=False)
+    r2 = long_range.passkey_task(model, tok, lengths=[300], depths=[0.5], trials=3, batch_size=3, progress=False)
+    assert r1["accuracy"] == r2["accuracy"]
+    assert 0.0 <= r1["accuracy"]["300"]["0.5"] <= 1.0
+    with pytest.raises(ValueError, match="depths"):
+        long_range.passkey_task(model, tok, lengths=[300], depths=[1.5], trials=1, progress=False)
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts the next token of its own input (``shift``=1) or a wrong one (``shift``=0)."""
+
+    def __init__(self, shift):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.shift = shift
+
+    def forward(self, input_ids, use_cache=False):
+        nxt = torch.roll(input_ids, -1, dims=1) if self.shift else input_ids * 0 + 1
+        return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 200).float()})()
+
+
+@pytest.mark.parametrize("shift,expected", [(1, 1.0), (0, 0.0)])
+def test_passkey_accuracy_of_an_oracle_and_of_a_wrong_model(shift, expected):
+    r = long_range.passkey_task(_Oracle(shift), _DigitTokenizer(), lengths=[300, 400], depths=[0.1, 0.9], trials=4, progress=False)
+    assert all(v == expected for cell in r["accuracy"].values() for v in cell.values())
+    assert r["mean"] == {"300": expected, "400": expected}
