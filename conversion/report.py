@@ -76,6 +76,30 @@ def run_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def long_range_table(rep: dict) -> str:
+    """One row per variant: perplexity at every context, copy (second / first copy) at every gap,
+    passkey accuracy at every length (empty where a variant was not measured)."""
+    rows = [r for r in rep["rows"] if "context" in r]
+    lr = {e["variant"]: e for e in rep.get("long_range", [])}
+    variants = list(dict.fromkeys([r["variant"] for r in rows] + list(lr)))
+    ctxs = sorted({r["context"] for r in rows})
+    gaps = sorted({int(g) for e in lr.values() for g in e.get("copy", {})})
+    lens = sorted({int(n) for e in lr.values() for n in ((e.get("passkey") or {}).get("mean") or {})})
+    head = ["variant"] + [f"ppl @{c}" for c in ctxs] + [f"copy @{g}: 2nd (1st)" for g in gaps] + [f"passkey @{n}" for n in lens]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for v in variants:
+        ppl = {r["context"]: r["perplexity"] for r in rows if r["variant"] == v}
+        e = lr.get(v, {})
+        cells = [v] + [f"{ppl[c]:.2f}" if c in ppl else "" for c in ctxs]
+        for g in gaps:
+            c = e.get("copy", {}).get(str(g))
+            cells.append(f"{c['second']:.2f} ({c['first']:.1f})" if c else "")
+        pk = (e.get("passkey") or {}).get("mean") or {}
+        cells += [f"{pk[str(n)]:.0%}" if str(n) in pk else "" for n in lens]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def load_run(spec: str) -> tuple[str, dict]:
     """``[LABEL=]PATH`` → (label, report); PATH is a run folder or a report.json file."""
     label, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
@@ -128,6 +152,9 @@ def render(specs: list[str], note: str = "") -> str:
         cfg = rep["config"]
         out += [f"## {label}: `{cfg['model']}` ({rep['kind']})", ""]
         out += [run_table(rep), ""]
+        if rep.get("long_range"):
+            out += ["Long range (copy: perplexity of the second copy of a 256-token passage, first copy in brackets, "
+                    "8 seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%):", "", long_range_table(rep), ""]
         st = rep.get("stages", {})
         for name, s in st.items():
             out.append(f"- {name}: {s['tokens']} tokens, {s['steps']} steps, {s['minutes']:.1f} min, loss {s['loss_first']:.4g} → {s['loss_last']:.4g}")

@@ -167,4 +167,29 @@ def _passkey_hit(model: nn.Module, x: torch.Tensor, la: int) -> int:
     return int((logits.argmax(-1) == x[:, w - la :]).all())
 
 
-__all__ = ["copy_sequences", "copy_task", "passkey_prompt", "passkey_task"]
+@torch.no_grad()
+def evaluate_suite(
+    model: nn.Module, tokenizer, ids: torch.Tensor, contexts=(1024, 4096, 8192), max_tokens: int | None = 8192,
+    gaps=(512, 3584), draws: int = 8, passkey_lengths=(1024,), trials: int = 20, seed: int = 0, progress: bool = True,
+) -> dict:
+    """Perplexity at ``contexts``, copy at ``gaps`` and passkey at ``passkey_lengths`` in one dict:
+    ``{"perplexity": {ctx: {...}}, "copy": {gap: {...}}, "passkey": {...} | None}`` (contexts longer
+    than the text are skipped with a warning)."""
+    from .evaluation import perplexity
+
+    out: dict = {"perplexity": {}, "copy": {}, "passkey": None}
+    for ctx in contexts:
+        if ids.numel() < ctx:
+            logger.warning("skipping perplexity @%d: the eval text has only %d tokens", ctx, ids.numel())
+            continue
+        out["perplexity"][str(ctx)] = perplexity(model, ids, ctx, max_tokens, progress=progress)
+    for gap in gaps:
+        r = copy_task(model, ids, gap=gap, draws=draws, seed=seed, progress=progress)
+        r.pop("per_draw")
+        out["copy"][str(gap)] = r
+    if passkey_lengths:
+        out["passkey"] = passkey_task(model, tokenizer, passkey_lengths, trials=trials, seed=seed, progress=progress)
+    return out
+
+
+__all__ = ["copy_sequences", "copy_task", "evaluate_suite", "passkey_prompt", "passkey_task"]
