@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa import evaluation  # noqa: E402
-from hf_rfa.pipeline import CAUSAL_LM, load_model  # noqa: E402
+from hf_rfa.recipes import evaluation  # noqa: E402
+from hf_rfa.recipes.conversion.pipeline import CAUSAL_LM, load_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
