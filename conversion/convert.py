@@ -6,7 +6,7 @@
 
 Text sources: a file, ``wikipedia:<calibration|train|eval>`` / ``rotten_tomatoes:<train|test>``
 (offline assets) or a Hub dataset ``name[:config]:split``. All logic is in
-:mod:`hf_rfa.pipeline`; this script parses flags and prints the result table.
+:mod:`hf_rfa.recipes.conversion.pipeline`; this script parses flags and prints the result table.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa.pipeline import ConversionConfig, _rows_markdown, run  # noqa: E402
+from hf_rfa.recipes.conversion.pipeline import ConversionConfig, _rows_markdown, run  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:

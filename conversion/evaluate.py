@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa import evaluation, long_range  # noqa: E402
-from hf_rfa.pipeline import CAUSAL_LM, load_model  # noqa: E402
+from hf_rfa.recipes import evaluation, long_range  # noqa: E402
+from hf_rfa.recipes.conversion.pipeline import CAUSAL_LM, load_model  # noqa: E402
 
 TASKS = ("perplexity", "copy", "passkey")
 

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from hf_rfa import assets, evaluation
+    from hf_rfa import assets
+    from hf_rfa.recipes import evaluation
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True)

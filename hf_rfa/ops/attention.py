@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from .backends import native
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys

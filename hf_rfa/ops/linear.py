@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
-from . import kernels, native
-from .causal_infer import BlockWorkspace, causal_block_into, workspace
+from .backends import kernels, native
+from .backends.causal_infer import BlockWorkspace, causal_block_into, workspace
 from .masks import NEG, exp_floor, needs_grad
 from .partial import Partial, finalize
 from .recurrent import LinearState
@@ -148,7 +148,7 @@ def _causal_block(
 
 def _block_step(qf, lq, kf, lk, v, S, ref, chunk: int):
     """:func:`_causal_block` with the ones column appended to ``v`` (the unit compiled by
-    :mod:`hf_rfa.ops.kernels` when enabled)."""
+    :mod:`hf_rfa.ops.backends.kernels` when enabled)."""
     return _causal_block(qf, lq, kf, lk, _with_ones(v.to(qf.dtype)), S, ref, chunk)
 
 
@@ -408,7 +408,7 @@ def causal_feature_attention(
 
 
 def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
-    """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.native`;
+    """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.backends.native`;
     its twin is the inference form :func:`_causal_scan_into`)."""
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]
