@@ -86,12 +86,18 @@ def quadratic_kernel_attention(
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     g = h // hkv
     qs, ks = q.to(ct) * scale**0.5, k.to(ct) * scale**0.5
-    fq, fk = feature_map.forward_queries(qs), feature_map.forward_keys(ks)
-    phi_k = _expand_kv(fk.phi, g)
-    lk = _expand_kv(fk.log_scale, g) if fk.log_scale is not None else torch.zeros(phi_k.shape[:-1], dtype=ct, device=q.device)
-    lq = fq.log_scale if fq.log_scale is not None else torch.zeros(fq.phi.shape[:-1], dtype=ct, device=q.device)
-    dot = fq.phi @ phi_k.transpose(-1, -2)  # [B,H,Nq,Nk], bounded
-    logmag = lq.unsqueeze(-1) + lk.unsqueeze(-2)  # log of the feature magnitudes
+    null = getattr(feature_map, "null", False)  # 'none': no feature part, far keys get zero weight
+    if null and window == 0 and sinks == 0:
+        raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
+    if null:
+        dot = logmag = torch.zeros(b, h, nq, nk, dtype=ct, device=q.device)
+    else:
+        fq, fk = feature_map.forward_queries(qs), feature_map.forward_keys(ks)
+        phi_k = _expand_kv(fk.phi, g)
+        lk = _expand_kv(fk.log_scale, g) if fk.log_scale is not None else torch.zeros(phi_k.shape[:-1], dtype=ct, device=q.device)
+        lq = fq.log_scale if fq.log_scale is not None else torch.zeros(fq.phi.shape[:-1], dtype=ct, device=q.device)
+        dot = fq.phi @ phi_k.transpose(-1, -2)  # [B,H,Nq,Nk], bounded
+        logmag = lq.unsqueeze(-1) + lk.unsqueeze(-2)  # log of the feature magnitudes
     t, s = _positions(nq, nk, q.device)
     if causal and feature_map.has_gate:
         km0 = key_mask_bool(attention_mask, b, nk, q.device)
@@ -110,7 +116,7 @@ def quadratic_kernel_attention(
     if sinks > 0:
         exact = exact | sink_mask(km, b, nk, sinks, q.device).view(b, 1, 1, nk)
     exact = exact & visible
-    feat = visible & ~exact
+    feat = visible & ~exact & (not null)
     scores = (qs @ _expand_kv(ks, g).transpose(-1, -2))
     log_w = torch.where(exact, scores, torch.where(feat, logmag, torch.full_like(scores, NEG)))
     off = log_w.amax(dim=-1, keepdim=True).detach()

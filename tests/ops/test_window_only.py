@@ -110,3 +110,23 @@ def test_none_with_window_covering_everything_is_softmax():
         model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="none", window=64))
         out = model(ids).logits
     assert rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_none_quadratic_twin_equals_op_with_gradients(causal):
+    """The quadratic twin (the training path of attention transfer / LoRA) agrees with the op,
+    values and gradients."""
+    b, h, hkv, n, d = 2, 4, 2, 23, 8
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(b, x, n, d, generator=g, dtype=torch.float64, requires_grad=True) for x in (h, hkv, hkv))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :3] = False
+    fm = hf_rfa.build_feature_map("none", head_dim=d, num_features=1)
+    a = hf_rfa.random_feature_attention(q, k, v, fm, causal=causal, attention_mask=mask, window=4, sinks=2, chunk_size=8)
+    r = hf_rfa.quadratic_kernel_attention(q, k, v, fm, causal=causal, attention_mask=mask, window=4, sinks=2)
+    real = mask[:, None, :, None].expand_as(a)
+    assert rel(a[real], r[real]) <= 1e-10
+    up = torch.randn(a.shape, generator=g, dtype=torch.float64) * real
+    ga = torch.autograd.grad((a * up).sum(), (q, k, v))
+    gr = torch.autograd.grad((r * up).sum(), (q, k, v))
+    assert all(rel(x, y) <= 1e-10 for x, y in zip(ga, gr))

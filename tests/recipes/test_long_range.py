@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa import long_range
+from hf_rfa.recipes import long_range
 from tiny_models import tiny_model
 
 
@@ -58,12 +58,12 @@ def test_passkey_prompt_places_the_key_at_the_depth():
 def test_passkey_task_is_deterministic_and_counts_exact_matches():
     tok = _DigitTokenizer()
     model = tiny_model("llama")
-    r1 = long_range.passkey_task(model, tok, lengths=[300], depths=[0.5], trials=3, batch_size=2, progress=False)
-    r2 = long_range.passkey_task(model, tok, lengths=[300], depths=[0.5], trials=3, batch_size=3, progress=False)
+    r1 = long_range.passkey_task(model, tok, lengths=[450], depths=[0.5], trials=3, batch_size=2, progress=False)
+    r2 = long_range.passkey_task(model, tok, lengths=[450], depths=[0.5], trials=3, batch_size=3, progress=False)
     assert r1["accuracy"] == r2["accuracy"]
-    assert 0.0 <= r1["accuracy"]["300"]["0.5"] <= 1.0
+    assert 0.0 <= r1["accuracy"]["450"]["0.5"] <= 1.0
     with pytest.raises(ValueError, match="depths"):
-        long_range.passkey_task(model, tok, lengths=[300], depths=[1.5], trials=1, progress=False)
+        long_range.passkey_task(model, tok, lengths=[450], depths=[1.5], trials=1, progress=False)
 
 
 class _Oracle(torch.nn.Module):
@@ -81,6 +81,6 @@ class _Oracle(torch.nn.Module):
 
 @pytest.mark.parametrize("shift,expected", [(1, 1.0), (0, 0.0)])
 def test_passkey_accuracy_of_an_oracle_and_of_a_wrong_model(shift, expected):
-    r = long_range.passkey_task(_Oracle(shift), _DigitTokenizer(), lengths=[300, 400], depths=[0.1, 0.9], trials=4, progress=False)
+    r = long_range.passkey_task(_Oracle(shift), _DigitTokenizer(), lengths=[450, 500], depths=[0.1, 0.9], trials=4, progress=False)
     assert all(v == expected for cell in r["accuracy"].values() for v in cell.values())
-    assert r["mean"] == {"300": expected, "400": expected}
+    assert r["mean"] == {"450": expected, "500": expected}

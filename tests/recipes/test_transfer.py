@@ -138,3 +138,16 @@ def test_transfer_on_last_queries_only():
     transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 2, seed=0), tokens=64 * 2 * 40, lr=3e-2, queries=16, progress=False)
     after = calibration.layer_errors(m, held, progress=False)
     assert all(a.relative_error < 0.9 * x.relative_error for a, x in zip(after, before))
+
+
+def test_wall_clock_limit_fails_loudly_instead_of_shortening_the_budget():
+    """Budgets are tokens: a stage that hits its safety limit first raises (figures never depend on
+    machine speed); with a generous limit the full budget is trained."""
+    m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, seed=0))
+    with pytest.raises(transfer.BudgetNotReached, match="64 of 6400 tokens"):
+        transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=6400, max_seconds=0.0, progress=False)
+    res = transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=128, max_seconds=3600.0, progress=False)
+    assert res.tokens == 128
+    m2 = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="none", window=8, sinks=1))
+    with pytest.raises(transfer.BudgetNotReached, match="lora"):
+        transfer.lora_finetune(m2, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=6400, max_seconds=0.0, progress=False)

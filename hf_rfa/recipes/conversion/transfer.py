@@ -51,6 +51,24 @@ class TransferResult:
         return {"tokens": self.tokens, "steps": self.steps, "minutes": self.seconds / 60, "loss_first": first, "loss_last": last}
 
 
+class BudgetNotReached(RuntimeError):
+    """A training stage hit its wall-clock safety limit before its token budget.
+
+    Budgets are counted in tokens so that a run's figures do not depend on how fast (or busy) the
+    machine was; the wall-clock limit only guards against a run that would never end, and fails
+    loudly instead of silently training less.
+    """
+
+
+def _check_limit(stage: str, res: "TransferResult", tokens: int, start: float, max_seconds: float | None) -> None:
+    if max_seconds is not None and res.tokens < tokens and time.perf_counter() - start >= max_seconds:
+        raise BudgetNotReached(
+            f"{stage} hit its safety limit of {max_seconds / 60:.1f} min after {res.tokens} of {tokens} tokens "
+            f"({res.steps} steps); the budget is in tokens so that results do not depend on machine speed: "
+            f"raise the limit (--{stage.split()[0].lower()}-minutes) or lower the token budget"
+        )
+
+
 def rfa_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Trainable tensors of every converted layer's feature map (W, mix, ...)."""
     return [p for rfa in rfa_layers(model).values() for p in rfa.parameters()]
@@ -125,7 +143,9 @@ def attention_transfer(
         model: converted with :func:`hf_rfa.convert` (a learned map: ``hedgehog``, ``t2r``...).
         batches: yields ``(input_ids [B, N], attention_mask | None)``; a seeded stream gives a
             deterministic run (:func:`hf_rfa.recipes.evaluation.shuffled_batches`).
-        tokens: stop after this many (real) tokens; ``max_seconds`` stops earlier on wall time.
+        tokens: stop after this many (real) tokens (the budget).
+        max_seconds: safety limit on wall time: reaching it before ``tokens`` raises
+            :class:`BudgetNotReached` (never a silently shorter run).
         lr: Adam learning rate of the feature-map parameters.
         init_mix: initialise the hybrid mixing weights from the first batch first.
         queries: causal layers: fit only the last ``queries`` positions of each sequence (they
@@ -177,8 +197,9 @@ def attention_transfer(
             res.losses.append(total / len(layers))
             bar.update(n)
             bar.set_postfix(mse=f"{res.losses[-1]:.2e}")
-            if res.tokens >= tokens or (max_seconds is not None and time.perf_counter() - start >= max_seconds):
+            if res.tokens >= tokens:
                 break
+            _check_limit("transfer", res, tokens, start, max_seconds)
     finally:
         bar.close()
         for p, rg in frozen:
@@ -261,8 +282,9 @@ def lora_finetune(
                 res.losses.append(float(out.loss.detach()))
                 bar.update(n)
                 bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
-                if res.tokens >= tokens or (max_seconds is not None and time.perf_counter() - start >= max_seconds):
+                if res.tokens >= tokens:
                     break
+                _check_limit("lora", res, tokens, start, max_seconds)
     finally:
         bar.close()
     merged = peft_model.merge_and_unload()
@@ -274,4 +296,4 @@ def lora_finetune(
     return merged, res
 
 
-__all__ = ["TRAIN_NAME", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune", "register_train", "rfa_parameters"]
+__all__ = ["BudgetNotReached", "TRAIN_NAME", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune", "register_train", "rfa_parameters"]
