@@ -24,8 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf_rfa  # noqa: E402
+import hf_rfa
 
 logger = logging.getLogger("benchmarks.decode")
 

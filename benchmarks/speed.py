@@ -43,11 +43,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import hf_rfa  # noqa: E402
-from hf_rfa.ops.backends import native  # noqa: E402
+import hf_rfa
+from hf_rfa.ops.backends import native
 
 B, H, D = 1, 12, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa.recipes.conversion.pipeline import ConversionConfig, _rows_markdown, run  # noqa: E402
+from hf_rfa.recipes.conversion.pipeline import ConversionConfig, _rows_markdown, run
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,10 @@ class RFAAttention(nn.Module):
     PEFT's ``modules_to_save`` may wrap it, which is why the attention function *calls* it.
     """
 
-    def __init__(self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0, checkpoint_blocks: bool = False) -> None:
+    def __init__(
+        self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
+        checkpoint_blocks: bool = False, backend: str = "auto",
+    ) -> None:
         super().__init__()
         self.feature_map = feature_map
         self.window = int(window)
@@ -43,6 +46,7 @@ class RFAAttention(nn.Module):
         self.chunk_size = int(chunk_size)
         self.layer_idx = int(layer_idx)
         self.checkpoint_blocks = bool(checkpoint_blocks)
+        self.backend = backend
 
     def forward(
         self,
@@ -61,11 +65,11 @@ class RFAAttention(nn.Module):
         return random_feature_attention(
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
-            checkpoint_blocks=self.checkpoint_blocks,
+            checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
         )
 
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}"
+        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}"
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:

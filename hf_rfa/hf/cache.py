@@ -36,12 +36,12 @@ assisted/speculative decoding (and other modes that crop) keeps the stock cache.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
 from ..ops.decode import DecodeState, continue_attention
 
@@ -221,7 +221,7 @@ def uses_rfa(model) -> bool:
         return False
     from .attention import ATTN_NAME
 
-    return getattr(_text_config(cfg), "_attn_implementation", None) == ATTN_NAME or getattr(cfg, "_attn_implementation", None) == ATTN_NAME
+    return ATTN_NAME in (compat.attn_implementation_of(_text_config(cfg)), compat.attn_implementation_of(cfg))
 
 
 def install_generate_hook() -> None:
@@ -232,28 +232,18 @@ def install_generate_hook() -> None:
     ``RFACache``. Models that are not converted, user-passed caches, ``use_cache=False``, an
     explicit ``cache_implementation`` and assistant models are left exactly as transformers does.
     """
-    from transformers.generation.utils import GenerationMixin
+    compat.wrap_prepare_cache_for_generation(_use_rfa_cache)
 
-    original = GenerationMixin._prepare_cache_for_generation
-    if getattr(original, "_hf_rfa_hook", False):
-        return
 
-    @functools.wraps(original)
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        mode = args[0] if args else kwargs.get("generation_mode")
-        if (
-            getattr(mode, "value", mode) in DEFAULT_MODES
-            and uses_rfa(self)
-            and getattr(generation_config, "cache_implementation", None) is None
-            and not getattr(generation_config, "is_assistant", False)
-        ):
-            for key in ("cache", "past_key_values"):
-                c = model_kwargs.get(key)
-                if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False) and not c.offloading:
-                    model_kwargs[key] = RFACache(self.config)
-                    logger.debug("generate(): using hf_rfa.RFACache for %s", type(self).__name__)
-        return result
-
-    _prepare_cache_for_generation._hf_rfa_hook = True
-    GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+def _use_rfa_cache(model, generation_config, model_kwargs: dict, mode) -> None:
+    """After the stock ``_prepare_cache_for_generation``: swap its default cache for an RFACache."""
+    if (
+        getattr(mode, "value", mode) in DEFAULT_MODES
+        and uses_rfa(model)
+        and getattr(generation_config, "cache_implementation", None) is None
+        and not getattr(generation_config, "is_assistant", False)
+    ):
+        for key in ("cache", "past_key_values"):
+            if compat.is_default_dynamic_cache(model_kwargs.get(key)):
+                model_kwargs[key] = RFACache(model.config)
+                logger.debug("generate(): using hf_rfa.RFACache for %s", type(model).__name__)

@@ -9,8 +9,6 @@ loading the saved projections and learned parameters, so a round trip gives iden
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import os
 from contextlib import contextmanager
@@ -19,25 +17,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .. import compat
 from .attention import ATTN_NAME, RFAAttention, register
 from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
 
 logger = logging.getLogger(__name__)
 
-_INTERFACE_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
-_SOURCE_CACHE: dict[type, bool] = {}
-
 
 def _uses_attention_interface(module: nn.Module) -> bool:
-    cls = type(module)
-    if cls not in _SOURCE_CACHE:
-        try:
-            src = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            src = ""
-        _SOURCE_CACHE[cls] = any(m in src for m in _INTERFACE_MARKERS)
-    return _SOURCE_CACHE[cls]
+    return compat.forward_uses_attention_interface(type(module))
 
 
 def _is_cross_attention(name: str, module: nn.Module) -> bool:
@@ -81,14 +70,13 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     options = dict(config.feature_map_options)
     if config.feature_map == "rfa":
         options["gate"] = config.gate
-    if config.per_head:
-        options.setdefault("num_heads", num_heads)
-        options.setdefault("num_kv_heads", num_kv_heads)
+    options.setdefault("num_heads", num_heads)
+    options.setdefault("num_kv_heads", num_kv_heads)
     fm = build_feature_map(
         config.feature_map, head_dim=head_dim, num_features=config.num_features,
         seed=derive_seed(config.seed, "layer", layer_idx), **options,
     )
-    return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks)
+    return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend)
 
 
 def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> nn.Module:
@@ -108,9 +96,8 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> n
         config = RFAConfig.from_dict({**config.to_dict(), **overrides})
     if not hasattr(model, "config"):
         raise ValueError(f"{type(model).__name__} is not a transformers model (no .config)")
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
     modules = find_attention_modules(model)
-    if not modules or (can_set is not None and not can_set()):
+    if not modules or compat.can_set_attn_implementation(type(model)) is False:
         raise ValueError(
             f"{type(model).__name__}: no self-attention module goes through transformers' attention "
             "interface (ALL_ATTENTION_FUNCTIONS.get_interface), so its attention cannot be swapped; "
@@ -258,9 +245,3 @@ def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
     convert(model, rfa_cfg)
     load_rfa_state(model, path)
     return model
-
-
-def read_rfa_config(path: str) -> RFAConfig:
-    """The RFAConfig in a saved folder's config.json."""
-    with open(os.path.join(path, "config.json")) as f:
-        return RFAConfig.from_dict(json.load(f)[CONFIG_ATTR])

@@ -17,42 +17,30 @@ so that, in a process where ``hf_rfa`` cannot be imported::
 
 gives the same logits as the exported model.
 
-How the remote code is generated: the modules that ``hf_rfa.convert`` needs are found by
-following its intra-package imports (AST, transitively). Each module is copied verbatim to one
-flat file, ``hf_rfa/feature_maps/base.py`` → ``hf_rfa_feature_maps_base.py``; only its
-intra-package import statements are rewritten to ``from .hf_rfa_<...> import Name`` — the one
-form transformers follows when it copies remote code — keeping every other line (and the line
-numbers) unchanged. ``from . import submodule`` becomes ``from .hf_rfa_<sub> import __name__ as
-_x; from . import hf_rfa_<sub> as submodule`` (the first half makes transformers copy the file).
-The remote class calls the bundled ``convert`` in ``__init__``, so layers, seeds and the ``"rfa"``
+How the remote code is generated: :mod:`hf_rfa.hub.bundle`. The remote class calls the bundled ``convert`` in ``__init__``, so layers, seeds and the ``"rfa"``
 attention/mask registration are exactly the library's; the checkpoint then fills the buffers.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from torch import nn
 
+from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
+from .bundle import PACKAGE, bundle_sources, bundled_modules, flat_name  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
-PACKAGE = "hf_rfa"
-#: prefix of the generated module files
-FILE_PREFIX = "hf_rfa_"
 #: the file holding the remote model class
 MODELING_FILE = "modeling_hf_rfa.py"
-#: modules whose import closure is bundled (convert pulls attention, config, feature maps, ops)
-ROOT_MODULES = ("hf_rfa.hf.convert",)
 DEFAULT_TAGS = ("hf_rfa", "linear-attention", "random-feature-attention")
 
 # Auto classes tried, in order of preference, for the auto_map, with the Hub pipeline tag of each.
@@ -70,162 +58,12 @@ AUTO_CLASSES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-# --------------------------------------------------------------------------- source bundling
-def _package_root() -> Path:
-    return Path(__file__).resolve().parents[1]
-
-
-def _module_path(name: str) -> Path | None:
-    """File of module ``name`` inside the package (``__init__.py`` for subpackages), or None."""
-    if name != PACKAGE and not name.startswith(PACKAGE + "."):
-        return None
-    rel = name.split(".")[1:]
-    base = _package_root().joinpath(*rel) if rel else _package_root()
-    if base.is_dir() and (base / "__init__.py").is_file():
-        return base / "__init__.py"
-    file = base.with_suffix(".py")
-    return file if file.is_file() else None
-
-
-def _is_package(name: str) -> bool:
-    path = _module_path(name)
-    return path is not None and path.name == "__init__.py"
-
-
-def flat_name(module: str) -> str:
-    """``hf_rfa.feature_maps.base`` → ``hf_rfa_feature_maps_base`` (module name of the flat file)."""
-    if module == PACKAGE:
-        raise ValueError("the top-level hf_rfa package is not bundled (import its submodules)")
-    return FILE_PREFIX + "_".join(module.split(".")[1:])
-
-
-def _resolve(module: str, node: ast.ImportFrom) -> str | None:
-    """Absolute name of the module an ImportFrom refers to, if it is inside the package."""
-    if node.level == 0:
-        name = node.module or ""
-        return name if name == PACKAGE or name.startswith(PACKAGE + ".") else None
-    package = module if _is_package(module) else module.rsplit(".", 1)[0]
-    parts = package.split(".")
-    if node.level - 1 >= len(parts):
-        raise ValueError(f"{module}: relative import beyond the top-level package")
-    base = ".".join(parts[: len(parts) - (node.level - 1)])
-    return f"{base}.{node.module}" if node.module else base
-
-
-@dataclass
-class _Rewrite:
-    first: int  # 1-based line numbers, inclusive
-    last: int
-    text: str
-    deps: list[str]
-
-
-def _aliases(node: ast.ImportFrom) -> str:
-    return ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names)
-
-
-def _rewrites(module: str, source: str) -> list[_Rewrite]:
-    tree = ast.parse(source)
-    lines = source.splitlines()
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == PACKAGE for a in node.names):
-            raise ValueError(f"{module} line {node.lineno}: 'import {PACKAGE}...' cannot be bundled; use 'from . import ...'")
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        target = _resolve(module, node)
-        if target is None:
-            continue
-        head, tail = lines[node.lineno - 1][: node.col_offset], lines[node.end_lineno - 1][node.end_col_offset :]
-        if head.strip() or (tail.strip() and not tail.strip().startswith("#")):
-            raise ValueError(f"{module} line {node.lineno}: an intra-package import must be alone on its line(s) to be bundled")
-        stmts, deps = [], []
-        if node.module is None or _is_package(target):  # from . import a, b / from .pkg import submodule, name
-            direct = []
-            for a in node.names:
-                sub = f"{target}.{a.name}"
-                if _module_path(sub) is not None:
-                    flat = flat_name(sub)
-                    stmts.append(f"from .{flat} import __name__ as _{flat}_copied")  # followed by transformers
-                    stmts.append(f"from . import {flat} as {a.asname or a.name}")
-                    deps.append(sub)
-                else:
-                    direct.append(a)
-            if direct:
-                if target == PACKAGE:
-                    raise ValueError(f"{module} line {node.lineno}: names from the top-level hf_rfa package cannot be bundled")
-                names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in direct)
-                stmts.append(f"from .{flat_name(target)} import {names}")
-                deps.append(target)
-        else:
-            if _module_path(target) is None:
-                raise ValueError(f"{module} line {node.lineno}: cannot find module {target}")
-            stmts.append(f"from .{flat_name(target)} import {_aliases(node)}")
-            deps.append(target)
-        # one statement per line: transformers only follows ``from .x import`` at a line start
-        text = "\n".join(head + s for s in stmts) + tail
-        n_extra = max(0, (node.end_lineno - node.lineno) - (len(stmts) - 1))  # keep line numbers where possible
-        out.append(_Rewrite(node.lineno, node.end_lineno, text + "\n" * n_extra, deps))
-    return out
-
-
-def _generate(roots: Sequence[str]) -> dict[str, tuple[Path, str]]:
-    from .. import __version__
-
-    files: dict[str, tuple[Path, str]] = {}
-    todo, seen = list(roots), set()
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        path = _module_path(module)
-        if path is None:
-            raise ValueError(f"cannot find the source of {module}")
-        source = path.read_text(encoding="utf-8")
-        lines = source.splitlines(keepends=True)
-        for rw in sorted(_rewrites(module, source), key=lambda r: -r.first):
-            nl = "\n" if lines[rw.last - 1].endswith("\n") else ""
-            lines[rw.first - 1 : rw.last] = [rw.text + nl]
-            todo.extend(rw.deps)
-        rel = path.relative_to(_package_root().parent).as_posix()
-        header = f"# Generated by hf_rfa {__version__} from {rel} (only intra-package imports rewritten). Do not edit.\n"
-        files[flat_name(module) + ".py"] = (path, header + "".join(lines))
-    return dict(sorted(files.items()))
-
-
-def bundle_sources(roots: Sequence[str] = ROOT_MODULES) -> dict[str, str]:
-    """``{file name: source}`` of the flat copies of ``roots`` and every hf_rfa module they import.
-
-    Every line but the intra-package imports is hf_rfa's own, in the same order (after a one-line
-    header), so tracebacks and diffs point at the library source.
-    """
-    return {name: text for name, (_path, text) in _generate(roots).items()}
-
-
-def bundled_modules(roots: Sequence[str] = ROOT_MODULES) -> dict[str, Path]:
-    """``{file name: hf_rfa source file}`` of the modules :func:`bundle_sources` generates."""
-    return {name: path for name, (path, _text) in _generate(roots).items()}
-
-
 # --------------------------------------------------------------------------- model class / auto map
 def auto_classes_of(model_class: type) -> list[str]:
     """Names of the Auto classes whose mapping contains ``model_class`` (preferred first)."""
     import transformers
 
-    found = []
-    for auto_name, _tag in AUTO_CLASSES:
-        auto_cls = getattr(transformers, auto_name, None)
-        mapping = getattr(auto_cls, "_model_mapping", None)
-        names = getattr(mapping, "_model_mapping", None)
-        if not names:
-            continue
-        for value in names.values():
-            vals = value if isinstance(value, (list, tuple)) else (value,)
-            if model_class.__name__ in vals:
-                found.append(auto_name)
-                break
-    return found
+    return [a for a, _tag in AUTO_CLASSES if model_class.__name__ in compat.auto_class_model_names(getattr(transformers, a, None))]
 
 
 def pipeline_tag_of(auto_class: str) -> str | None:
@@ -258,6 +96,7 @@ def modeling_source(model_class: type, rfa_config: RFAConfig) -> str:
     conv = flat_name("hf_rfa.hf.convert")
     att = flat_name("hf_rfa.hf.attention")
     cfg = flat_name("hf_rfa.config")
+    cpt = flat_name("hf_rfa.compat")
     return f'''# Generated by hf_rfa {__version__} (hf_rfa.export). Do not edit.
 """{name}: {base} with random feature attention ({rfa_config.feature_map}), loadable without hf_rfa.
 
@@ -271,6 +110,7 @@ mask functions; the projections and learned feature-map parameters then load fro
 {_base_import(model_class)}
 
 from .{att} import ATTN_NAME, register
+from .{cpt} import preset_attn_implementation
 from .{cfg} import CONFIG_ATTR, RFAConfig
 from .{conv} import convert
 
@@ -283,7 +123,7 @@ class {name}({base}):
         rfa = getattr(config, CONFIG_ATTR, None)
         if not rfa:
             raise ValueError(f"config has no '{{CONFIG_ATTR}}': not an hf_rfa checkpoint")
-        config._attn_implementation = ATTN_NAME
+        preset_attn_implementation(config, ATTN_NAME)
         super().__init__(config, *args, **kwargs)
         convert(self, RFAConfig.from_dict(dict(rfa)))
 

@@ -9,23 +9,15 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from dataclasses import fields
 from typing import Any, Iterable
 
 from ..config import RFAConfig
 
-_FIELD_TEXT = {
-    "feature_map": "feature map φ",
-    "num_features": "random features m per head",
-    "window": "exact-softmax local window W",
-    "sinks": "attention sinks S",
-    "gate": "learned decay gate",
-    "seed": "seed",
-    "redraw_interval": "redraw interval (optimizer steps)",
-    "layers": "converted layers",
-    "chunk_size": "causal chunk size",
-    "per_head": "per-head learned parameters",
-    "feature_map_options": "feature map options",
-}
+
+def _field_help() -> dict[str, str]:
+    """``{field: help}`` of :class:`RFAConfig`: the card explains each setting in the config's own words."""
+    return {f.name: f.metadata.get("help", f.name) for f in fields(RFAConfig)}
 
 
 def _yaml_scalar(value: Any) -> str:
@@ -102,12 +94,14 @@ def metrics_table(metrics: dict[str, Any] | None) -> str:
 
 def settings_table(config: RFAConfig) -> str:
     rows = ["| setting | value |", "| --- | --- |"]
+    help_text = _field_help()
     for key, value in config.to_dict().items():
         if key == "layers" and value is None:
             value = "all"
         text = json.dumps(value) if isinstance(value, (dict, list, bool)) else str(value)
         text = text.replace("|", "\\|")
-        rows.append(f"| {_FIELD_TEXT.get(key, key)} (`{key}`) | {text} |")
+        label = help_text.get(key, key).replace("|", "\\|")
+        rows.append(f"| `{key}`: {label} | {text} |")
     return "\n".join(rows) + "\n"
 
 

@@ -4,6 +4,7 @@ in a process where hf_rfa cannot be imported, with identical outputs and the sav
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -251,6 +252,17 @@ def test_transformers_copies_every_generated_file(remote):
         check_imports(str(out / f))  # only installed packages imported
 
 
+def test_bundle_is_the_declared_module_list():
+    """The remote code is exactly BUNDLED_MODULES, which is the import closure of hf_rfa.hf.convert;
+    a bundled module importing an undeclared hf_rfa module is refused, naming the list."""
+    from hf_rfa.hub import bundle
+
+    assert bundle.import_closure() == sorted(bundle.BUNDLED_MODULES)
+    assert set(bundle_sources()) == {bundle.flat_name(m) + ".py" for m in bundle.BUNDLED_MODULES}
+    with pytest.raises(ValueError, match=r"hf_rfa\.hf\.convert imports .*BUNDLED_MODULES"):
+        bundle.bundle_sources([m for m in bundle.BUNDLED_MODULES if m != "hf_rfa.hf.attention"])
+
+
 def test_bundled_sources_are_the_library_source():
     """Generated files equal hf_rfa's modules except for the header and intra-package imports."""
     files = bundle_sources()
@@ -285,7 +297,10 @@ def test_model_card(remote):
     assert meta["pipeline_tag"] == "text-generation"
     assert {"hf_rfa", "linear-attention", "random-feature-attention"} <= set(meta["tags"])
     assert "trust_remote_code=True" in body and "hf_rfa.from_pretrained" in body
-    assert "| exact-softmax local window W (`window`) | 4 |" in body
+    assert "| `window`: exact-softmax local window W (0: none; >= N: exact softmax) | 4 |" in body
+    # every RFAConfig field is explained by its own dataclass help text (no second copy to drift)
+    for f in dataclasses.fields(hf_rfa.RFAConfig):
+        assert f"| `{f.name}`: {f.metadata['help'].replace('|', chr(92) + '|')} |" in body, f.name
     assert "| note | unit test |" in body
     bert = yaml.safe_load((tmp / "bert_positive_redraw3" / "README.md").read_text().split("---\n", 2)[1])
     assert bert["pipeline_tag"] == "feature-extraction"

@@ -6,6 +6,7 @@ end to end on it. One ``slow`` test converts the real SmolLM2-135M (quick settin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -20,7 +21,16 @@ from hf_rfa.recipes.conversion import pipeline
 from tiny_models import VOCAB, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "conversion"))
+
+
+def _script(name: str):
+    """conversion/<name>.py loaded by path (conversion/ is not put on sys.path: its evaluate.py
+    would shadow the ``evaluate`` package)."""
+    spec = importlib.util.spec_from_file_location(f"conversion_{name}", os.path.join(ROOT, "conversion", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 WORDS = [f"w{i}" for i in range(VOCAB - 3)]
 
@@ -71,7 +81,7 @@ def _args(tiny, fam, output, *extra):
 
 @pytest.mark.parametrize("fam", ["llama", "gpt2", "bert"])
 def test_convert_script_end_to_end(tiny_dir, tmp_path, fam):
-    import convert as script
+    script = _script("convert")
 
     extra = ["--lora-tokens", "64"] if fam != "bert" else []
     report = script.main(_args(tiny_dir, fam, tmp_path / "out", *extra))
@@ -92,7 +102,7 @@ def test_convert_script_end_to_end(tiny_dir, tmp_path, fam):
 
 
 def test_failed_run_leaves_no_output(tiny_dir, tmp_path, monkeypatch):
-    import convert as script
+    script = _script("convert")
 
     def boom(*a, **k):
         raise RuntimeError("interrupted")
@@ -104,7 +114,7 @@ def test_failed_run_leaves_no_output(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_existing_output_is_refused(tiny_dir, tmp_path):
-    import convert as script
+    script = _script("convert")
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
@@ -115,7 +125,7 @@ def test_existing_output_is_refused(tiny_dir, tmp_path):
 
 def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
     """--learnable-projections: favor+ gets a transfer stage that moves its projections."""
-    import convert as script
+    script = _script("convert")
 
     script.main(_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections", "--no-baselines"))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -146,8 +156,8 @@ def test_evaluate_prints_json(tiny_dir, tmp_path):
 
 
 def test_evaluate_converted_checkpoint_matches_in_process(tiny_dir, tmp_path):
-    import evaluate as script
-    import convert as conv
+    script = _script("evaluate")
+    conv = _script("convert")
 
     conv.main(_args(tiny_dir, "llama", tmp_path / "out", "--no-baselines"))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -191,7 +201,7 @@ def test_report_regenerates_from_committed_runs(tmp_path):
     causal run's summary row is its last variant over the original at the same context."""
     import glob
 
-    import report
+    report = _script("report")
 
     specs = sorted(glob.glob(os.path.join(ROOT, "conversion", "results", "runs", "*.json")))
     assert specs, "no committed conversion runs"

@@ -23,8 +23,10 @@ Every compiled function has an eager twin (the function itself) and tests compar
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, TypeVar
+import threading
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -33,6 +35,7 @@ from ..masks import needs_grad
 _F = TypeVar("_F", bound=Callable)
 _ENABLED = {"on": os.environ.get("HF_RFA_COMPILE", "0").strip().lower() in ("1", "true", "yes", "on")}
 _COMPILED: dict[Callable, Callable] = {}
+_LOCAL = threading.local()  # .suppressed: a call that chose another backend (see ops.backends)
 
 
 def set_compile(enabled: bool) -> None:
@@ -47,9 +50,26 @@ def compile_enabled() -> bool:
     return _ENABLED["on"]
 
 
+@contextlib.contextmanager
+def suppressed() -> Iterator[None]:
+    """No compiled kernel inside this block (this thread), even when compiling is enabled: a call
+    that asked for another backend."""
+    before = getattr(_LOCAL, "suppressed", False)
+    _LOCAL.suppressed = True
+    try:
+        yield
+    finally:
+        _LOCAL.suppressed = before
+
+
+def wanted() -> bool:
+    """Compiling is enabled and not suppressed for the current call."""
+    return _ENABLED["on"] and not getattr(_LOCAL, "suppressed", False)
+
+
 def active(*tensors: torch.Tensor | None) -> bool:
     """True when a compiled kernel may be used for a call on ``tensors`` (see module docstring)."""
-    if not _ENABLED["on"] or torch.compiler.is_compiling():
+    if not wanted() or torch.compiler.is_compiling():
         return False
     return not needs_grad(*tensors)
 

@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from ... import compat
 from ...hf.attention import ATTN_NAME, _padding_mask, exact_attention, rfa_mask
 from ...hf.convert import find_attention_modules
 
@@ -83,7 +84,7 @@ def register_capture() -> None:
 @contextmanager
 def attn_implementation(model: nn.Module, name: str) -> Iterator[None]:
     """Temporarily switch ``model`` to the attention implementation ``name``."""
-    old = getattr(model.config, "_attn_implementation", None) or "eager"
+    old = compat.attn_implementation_of(model.config) or "eager"
     model.set_attn_implementation(name)
     try:
         yield

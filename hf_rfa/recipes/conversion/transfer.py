@@ -242,13 +242,12 @@ def lora_finetune(
     tokens: int,
     lr: float = 1e-3,
     r: int = 8,
-    train_feature_maps: bool = False,
     max_seconds: float | None = None,
     progress: bool = True,
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
-    converted model and a :class:`TransferResult`. Feature maps stay frozen unless
-    ``train_feature_maps``. Causal LMs only (labels = inputs)."""
+    converted model and a :class:`TransferResult`. Feature maps stay frozen. Causal LMs only
+    (labels = inputs)."""
     from peft import get_peft_model
     from tqdm.auto import tqdm
 
@@ -257,9 +256,6 @@ def lora_finetune(
     register_train()
     cfg = lora_config(model, r=r, train_feature_maps=False)
     peft_model = get_peft_model(model, cfg)
-    if train_feature_maps:
-        for p in rfa_parameters(peft_model):
-            p.requires_grad_(True)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     res = TransferResult()

@@ -33,13 +33,6 @@ def lora_targets(model: nn.Module) -> list[str]:
     return list(LORA_TARGETS[mt])
 
 
-def trainable_rfa_modules(model: nn.Module) -> bool:
-    """True when some feature map has trainable parameters (hedgehog, t2r, rfa)."""
-    from ...feature_maps import FeatureMap
-
-    return any(any(True for _ in m.parameters()) for m in model.modules() if isinstance(m, FeatureMap))
-
-
 def lora_config(
     model: nn.Module,
     r: int = 8,

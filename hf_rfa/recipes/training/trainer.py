@@ -13,6 +13,7 @@ import json
 import logging
 import os
 
+from ... import compat
 from .callbacks import RedrawCallback
 from .args import DataArguments, ModelArguments, RFAArguments
 from .data import prepare
@@ -35,7 +36,7 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
         # transformers 5.24: sequence classifiers take **kwargs, so Trainer assumes their loss is
         # a token sum over num_items_in_batch and multiplies it by the process count; their
         # loss is a batch mean, so this doubled the loss (and gradient) on 2 processes.
-        model.accepts_loss_kwargs = False
+        compat.disable_loss_kwargs(model)
     if model_args.lora_r:
         model = apply_lora(model, model_args, data_args.task)
     redraw_cb = RedrawCallback()

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from .. import kernels
+from .... import compat
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,7 @@ def _clear_stale_lock(name: str) -> None:
     than :data:`STALE_LOCK_S` (a build takes about a minute)."""
     import time
 
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock = compat.extension_build_dir(name) / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:
