@@ -34,6 +34,7 @@ BUNDLED_MODULES = (
     "hf_rfa.feature_maps.base",
     "hf_rfa.feature_maps.fourier",
     "hf_rfa.feature_maps.learned",
+    "hf_rfa.feature_maps.none",
     "hf_rfa.feature_maps.positive",
     "hf_rfa.feature_maps.random_projections",
     "hf_rfa.feature_maps.registry",

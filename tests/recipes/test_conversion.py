@@ -217,3 +217,27 @@ def test_report_regenerates_from_committed_runs(tmp_path):
             assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} |" in text
     with pytest.raises(ValueError, match="no report.json"):
         report.load_run(str(tmp_path))
+
+
+def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_dir, tmp_path):
+    """Every hybrid conversion reports window-only (same window/sinks, its own LoRA with the same
+    token budget) next to the feature rows, and the copy task for every variant."""
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["llama"], output=str(tmp_path / "out"), feature_map="favor+", num_features=16, window=4, sinks=1,
+        transfer_tokens=0, lora_tokens=128, context=64, eval_contexts=[64], eval_tokens=256, error_tokens=64,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, copy_gaps=[20], copy_draws=2,
+        generate_prompt=None, progress=False,
+    )
+    rep = pipeline.run(cfg)
+    names = [r["variant"] for r in rep["rows"]]
+    wo = "window-only: window 4 + sinks 1, no features"
+    assert names == ["original (softmax)", f"{wo}, untrained", f"{wo}, after LoRA", "favor+ m=16 + window 4 + sinks 1, untrained",
+                     "favor+ m=16 + window 4 + sinks 1, after LoRA"]
+    assert rep["stages"]["lora (window-only)"]["tokens"] == rep["stages"]["lora"]["tokens"] == 128
+    assert [e["variant"] for e in rep["long_range"]] == names
+    assert all(set(e["copy"]) == {"20"} and e["copy"]["20"]["second"] > 0 for e in rep["long_range"])
+    # the trained window-only model was a copy: the untrained rows of the recipe are not LoRA-tuned
+    wo_rows = {r["variant"]: r["perplexity"] for r in rep["rows"]}
+    assert wo_rows[f"{wo}, untrained"] != wo_rows[f"{wo}, after LoRA"]
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["long_range"][0]["variant"] == "original (softmax)"

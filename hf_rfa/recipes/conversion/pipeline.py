@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import evaluation
+from .. import evaluation, long_range
 from . import calibration, transfer
 from ...config import CONFIG_ATTR, RFAConfig
 from ...hf.convert import convert
@@ -66,6 +67,11 @@ class ConversionConfig:
     eval_tokens: int | None = field(default=16384, metadata={"help": "predicted tokens per evaluation (None: all)"})
     error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
     eval_sentences: int = 1000
+    window_only_baseline: bool = field(default=True, metadata={"help": "causal hybrids: also evaluate feature_map='none' (same window and sinks, far keys dropped) untrained and after its own LoRA with the same budget"})
+    copy_gaps: list[int] = field(default_factory=list, metadata={"help": "long range: copy task at these gaps (e.g. 512 3584; empty: skip)"})
+    copy_draws: int = field(default=8, metadata={"help": "long range: seeded draws of the copy task"})
+    passkey_lengths: list[int] = field(default_factory=list, metadata={"help": "long range: passkey retrieval at these prompt lengths, original and trained variants (empty: skip)"})
+    passkey_trials: int = field(default=20, metadata={"help": "long range: seeded passkey trials per (length, depth)"})
     batch_size: int = 1
     transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (None: all)"})
     transfer_lr: float = 1e-2
@@ -84,7 +90,11 @@ class ConversionConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("num_features", "context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features"):
+        for name in ("copy_gaps", "passkey_lengths"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
+                raise ValueError(f"{name} must be a list of ints >= 1, got {v!r}")
+        for name in ("num_features", "context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features", "copy_draws", "passkey_trials"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -257,6 +267,40 @@ def _error_batches(cfg: ConversionConfig, ids: torch.Tensor) -> list:
     return [(w.unsqueeze(0), None) for w in evaluation.token_windows(ids, min(cfg.context, ids.numel()), n)]
 
 
+def _evaluate_long_range(cfg: ConversionConfig, model: nn.Module, tok, ev: torch.Tensor, name: str, passkey: bool, report: dict) -> None:
+    """Copy task at ``cfg.copy_gaps`` and (``passkey``) passkey retrieval, into ``report["long_range"]``."""
+    if not cfg.copy_gaps and not (passkey and cfg.passkey_lengths):
+        return
+    entry: dict[str, Any] = {"variant": name, "copy": {}, "passkey": None}
+    for gap in cfg.copy_gaps:
+        r = long_range.copy_task(model, ev, gap=gap, draws=cfg.copy_draws, seed=cfg.seed, progress=cfg.progress)
+        r.pop("per_draw")
+        entry["copy"][str(gap)] = r
+        logger.info("%s copy @gap %d: second copy %.2f (first %.2f)", name, gap, r["second"], r["first"])
+    if passkey and cfg.passkey_lengths:
+        entry["passkey"] = long_range.passkey_task(model, tok, cfg.passkey_lengths, trials=cfg.passkey_trials, seed=cfg.seed, progress=cfg.progress)
+        logger.info("%s passkey: %s", name, entry["passkey"]["mean"])
+    report.setdefault("long_range", []).append(entry)
+
+
+def _window_only_baseline(cfg: ConversionConfig, model: nn.Module, lora_stream, evaluate, report: dict) -> str:
+    """The strongest trivial baseline of a hybrid: the same window and sinks with every other key
+    dropped (``feature_map="none"``), untrained and after its own LoRA with the same token budget
+    (trained on a copy: ``model`` stays the original for the recipe). Returns the final row's name."""
+    convert(model, RFAConfig(feature_map="none", window=cfg.window, sinks=cfg.sinks, seed=cfg.seed))
+    label = f"window-only: window {cfg.window} + sinks {cfg.sinks}, no features"
+    evaluate(f"{label}, untrained")
+    if cfg.lora_tokens <= 0:
+        return f"{label}, untrained"
+    trained, res = transfer.lora_finetune(
+        copy.deepcopy(model), lora_stream(), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
+        max_seconds=None if cfg.lora_minutes is None else 60 * cfg.lora_minutes,
+    )
+    report["stages"]["lora (window-only)"] = res.as_dict()
+    evaluate(f"{label}, after LoRA", res.as_dict(), of=trained, passkey=True)
+    return f"{label}, after LoRA"
+
+
 def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> nn.Module:
     if cfg.calibration_text is None or cfg.eval_text is None:
         raise ValueError("calibration_text and eval_text are required for causal LMs")
@@ -267,19 +311,21 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
     rows = report["rows"]
     metrics: dict[str, dict] = {}
 
-    def evaluate(name: str, stage: dict | None = None) -> None:
+    def evaluate(name: str, stage: dict | None = None, of: nn.Module | None = None, passkey: bool = False) -> None:
+        m = model if of is None else of
+        _evaluate_long_range(cfg, m, tok, ev, name, passkey, report)
         for ctx in cfg.eval_contexts:
-            twin = ctx <= cfg.eval_twin_max and getattr(model.config, CONFIG_ATTR, None) is not None
+            twin = ctx <= cfg.eval_twin_max and getattr(m.config, CONFIG_ATTR, None) is not None
             transfer.register_train()
-            with calibration.attn_implementation(model, transfer.TRAIN_NAME) if twin else nullcontext():
-                r = evaluation.perplexity(model, ev, ctx, cfg.eval_tokens, progress=cfg.progress, desc=name)
+            with calibration.attn_implementation(m, transfer.TRAIN_NAME) if twin else nullcontext():
+                r = evaluation.perplexity(m, ev, ctx, cfg.eval_tokens, progress=cfg.progress, desc=name)
             row = {"variant": name, "context": ctx, "perplexity": r["perplexity"], "eval_tokens": r["tokens"], "op": "quadratic twin" if twin else "chunked op"}
             if stage:
                 row.update({"train_tokens": stage["tokens"], "train_minutes": stage["minutes"]})
             rows.append(row)
             logger.info("%s @%d: perplexity %.2f (%d tokens)", name, ctx, r["perplexity"], r["tokens"])
 
-    evaluate("original (softmax)")
+    evaluate("original (softmax)", passkey=True)
     target = cfg.rfa_config()
     errors: dict[str, list] = {}
     err_batches = _error_batches(cfg, cal)
@@ -291,6 +337,11 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
         if (cfg.window or cfg.sinks) and cfg.random_hybrid:
             convert(model, RFAConfig.from_dict({**rnd.to_dict(), "window": cfg.window, "sinks": cfg.sinks}))
             evaluate(f"{rnd.feature_map} m={rnd.num_features} + window {cfg.window} + sinks {cfg.sinks}, untrained")
+    lora_stream = lambda: evaluation.shuffled_batches(train, cfg.lora_context or cfg.context, cfg.batch_size, cfg.seed + 7)  # noqa: E731
+    if cfg.window_only_baseline and (cfg.window or cfg.sinks) and target.feature_map != "none":
+        baseline = _window_only_baseline(cfg, model, lora_stream, evaluate, report)
+    else:
+        baseline = None
     convert(model, target)
     label = f"{target.feature_map} m={target.num_features}" + (f" + window {cfg.window} + sinks {cfg.sinks}" if cfg.window or cfg.sinks else ", pure")
     trainable = bool(transfer.rfa_parameters(model))
@@ -310,10 +361,8 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
         final = f"{label}, after attention transfer"
         evaluate(final, res.as_dict())
     if cfg.lora_tokens > 0:
-        lctx = cfg.lora_context or cfg.context
-        lstream = evaluation.shuffled_batches(train, lctx, cfg.batch_size, cfg.seed + 7)
         model, res = transfer.lora_finetune(
-            model, lstream, cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
+            model, lora_stream(), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
             max_seconds=None if cfg.lora_minutes is None else 60 * cfg.lora_minutes,
         )
         stage = res.as_dict()
@@ -322,7 +371,7 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
             stage = {**stage, "tokens": stage["tokens"] + t["tokens"], "minutes": stage["minutes"] + t["minutes"]}
         report["stages"]["lora"] = res.as_dict()
         final = f"{label}, after transfer + LoRA" if "transfer" in report["stages"] else f"{label}, after LoRA"
-        evaluate(final, stage)
+        evaluate(final, stage, passkey=True)
     report["final_variant"] = final
     orig = {r["context"]: r for r in rows if r["variant"] == "original (softmax)"}
     for r in rows:
@@ -330,6 +379,10 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
             metrics[f"perplexity @{r['context']} ({r['eval_tokens']} held-out tokens)"] = {
                 "converted": r["perplexity"], "original": orig[r["context"]]["perplexity"], "ratio": r["perplexity"] / orig[r["context"]]["perplexity"],
             }
+            if baseline is not None:  # the window-only row with the same training budget, next to the features
+                b = next((x for x in rows if x["variant"] == baseline and x["context"] == r["context"]), None)
+                if b is not None:
+                    metrics[f"perplexity @{r['context']} ({r['eval_tokens']} held-out tokens)"]["window_only"] = b["perplexity"]
     if cfg.generate_prompt and cfg.generate_tokens:
         report["generation"] = {"prompt": cfg.generate_prompt, "text": _generate(model, tok, cfg.generate_prompt, cfg.generate_tokens)}
     report["_errors"], report["_metrics"] = errors, metrics
