@@ -26,6 +26,10 @@ def _register_with_transformers() -> None:
     except ImportError:  # transformers not installed: the ops still work
         return
     register()
+    from .loading import install_load_hook, install_peft_hook
+
+    install_load_hook()
+    install_peft_hook()
 
 
 _register_with_transformers()

@@ -13,7 +13,6 @@ import inspect
 import json
 import logging
 import os
-from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -119,6 +118,9 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> n
     present = {idx for _, _, idx in modules}
     if config.layers is not None and not set(config.layers) <= present:
         raise ValueError(f"layers {sorted(set(config.layers) - present)} not in the model (it has layers {sorted(present)})")
+    for _name, module in model.named_modules():  # cross-attention and unselected layers: exact on purpose
+        if _uses_attention_interface(module):
+            module._hf_rfa_converted = True
     converted = 0
     for _name, module, idx in modules:
         if hasattr(module, "rfa"):
@@ -199,18 +201,6 @@ def _resolve_dir(name_or_path: str, **hub_kwargs) -> str:
     return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs)
 
 
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)
-
-
 def load_rfa_state(model: nn.Module, path: str) -> None:
     """Load saved feature-map tensors into a converted model; ValueError if any is missing."""
     saved = _read_rfa_tensors(path)
@@ -253,7 +243,9 @@ def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
         model_class = getattr(transformers, arch, None) if arch else None
         if model_class is None:
             raise ValueError(f"cannot tell the model class of {name_or_path}; pass model_class=")
-    with _quiet_transformers():  # the rfa.* keys are reported as unexpected: we load them below
+    from .loading import bypass_load_hook
+
+    with bypass_load_hook():  # the rfa.* keys are ignored on load (post_init hook); loaded below
         model = model_class.from_pretrained(path, attn_implementation=ATTN_NAME, **kwargs)
     convert(model, rfa_cfg)
     load_rfa_state(model, path)
