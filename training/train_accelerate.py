@@ -8,7 +8,8 @@ Same tasks and model options as ``finetune.py``; adds gradient accumulation, mix
     accelerate launch --config_file training/configs/single_gpu.yaml training/train_accelerate.py \\
         --model_name_or_path MODEL --task causal-lm --train_file train.txt --feature_map favor+ \\
         --output_dir out --max_train_steps 100 --checkpointing_steps 50
-    accelerate launch --cpu --num_processes 2 training/train_accelerate.py ...   # CPU, gloo
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
+        training/train_accelerate.py ...   # two CPU processes, gloo (``--cpu`` alone starts one)
 
 All logic lives in :mod:`hf_rfa.train.loop`; see training/README.md.
 """

@@ -90,7 +90,7 @@ class DataArguments:
     train_file: str | None = field(default=None, metadata={"help": "training file: .txt (causal-lm), .csv/.json/.jsonl"})
     validation_file: str | None = field(default=None, metadata={"help": "evaluation file, same format as train_file"})
     validation_split: str = field(default="validation", metadata={"help": "Hub dataset split used for evaluation (falls back to 'test')"})
-    validation_split_percentage: int = field(default=0, metadata={"help": "carve this % of train for evaluation when no validation data is given"})
+    validation_split_percentage: int = field(default=0, metadata={"help": "carve this percentage of train for evaluation when no validation data is given"})
     text_column: str | None = field(default=None, metadata={"help": "text column (default: 'text', 'sentence' or the first string column)"})
     label_column: str = field(default="label", metadata={"help": "label column (classification)"})
     max_seq_length: int = field(default=128, metadata={"help": "classification: truncate to this many tokens; causal-lm: block size"})
