@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-twin-max", type=int, default=2048, help="evaluate converted models up to this context with the op's quadratic twin (0: never)")
     p.add_argument("--random-num-features", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--push-to-hub", default=None, metavar="ID")
+    p.add_argument("--push-to-hub", default=None, metavar="ID", help="upload the output folder to this Hub repo (a failed upload keeps the folder and says how to retry)")
+    p.add_argument("--base-model", default=None, metavar="ID", help="Hub id the model was converted from, for the model card (default: --model when it is a Hub id)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "generation" in report:
         print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")
     print(f"\noutput: {report['output']}")
+    if "push_error" in report:
+        print(f"\npush to the Hub failed: {report['push_error']}")
     return report
 
 
