@@ -208,10 +208,11 @@ def _generate(model: nn.Module, tok, prompt: str, n: int) -> str:
 def run(cfg: ConversionConfig) -> dict:
     """Run one conversion; returns the report (also written to ``output/report.json``)."""
     torch.manual_seed(cfg.seed)
+    report_plot = plotting_available()  # checked before any expensive stage
     output = Path(cfg.output).resolve()
     tmp = _tmp_dir(output, cfg.overwrite)
     try:
-        report = _run(cfg, tmp)
+        report = _run(cfg, tmp, plot=report_plot)
         _publish(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -240,7 +241,17 @@ def _push(repo_id: str, output: Path, report: dict) -> None:
     logger.info("pushed %s to %s", output, repo_id)
 
 
-def _run(cfg: ConversionConfig, tmp: Path) -> dict:
+def plotting_available() -> bool:
+    """Whether matplotlib can draw ``layer_errors.png``; one warning when it cannot (the run goes on)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        logger.warning("matplotlib is not installed: layer_errors.png will be skipped (pip install matplotlib); the table is still written")
+        return False
+    return True
+
+
+def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
     total = _Timer()
     model, tok, kind = load_model(cfg.model)
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": asdict(cfg), "rows": [], "stages": {}}
@@ -259,7 +270,8 @@ def _run(cfg: ConversionConfig, tmp: Path) -> dict:
     )
     if errors:
         (tmp / "layer_errors.md").write_text(calibration.error_table(errors) + "\n", encoding="utf-8")
-        calibration.plot_errors(errors, str(tmp / "layer_errors.png"), title=f"{cfg.model}: attention-output error vs softmax")
+        if plot:
+            calibration.plot_errors(errors, str(tmp / "layer_errors.png"), title=f"{cfg.model}: attention-output error vs softmax")
         report["layer_errors"] = {k: [asdict(e) for e in v] for k, v in errors.items()}
     report["minutes_total"] = total.minutes()
     (tmp / "RESULTS.md").write_text(_rows_markdown(report["rows"]) + "\n", encoding="utf-8")
