@@ -6,36 +6,12 @@ Converted folders (``rfa_config`` in config.json) load with ``hf_rfa.from_pretra
 Standard non-overlapping windows; ``tokens`` is the number of predicted tokens.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa import evaluation  # noqa: E402
-from hf_rfa.pipeline import CAUSAL_LM, load_model  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="folder, Hub id or .gguf file")
-    p.add_argument("--text", required=True, help="file, wikipedia:<split> or name[:config]:split")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate this many tokens (evenly spread windows)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    a = p.parse_args(argv)
-    model, tok, kind = load_model(a.model)
-    if kind != CAUSAL_LM:
-        p.error(f"--model {a.model} is a {kind}, not a causal LM: perplexity is undefined")
-    ids = evaluation.tokenize(tok, evaluation.load_text(a.text))
-    r = evaluation.perplexity(model, ids, a.context, a.max_tokens, progress=a.progress)
-    out = {"perplexity": r["perplexity"], "tokens": r["tokens"], "windows": r["windows"], "context": r["context"]}
-    print(json.dumps(out))
-    return out
-
+from hf_rfa.cli import evaluate_main as main  # noqa: E402,F401
 
 if __name__ == "__main__":
     main()

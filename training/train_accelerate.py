@@ -14,26 +14,12 @@ Same tasks and model options as ``finetune.py``; adds gradient accumulation, mix
 All logic lives in :mod:`hf_rfa.train.loop`; see training/README.md.
 """
 
-import logging
 import os
 import sys
 
-from transformers import HfArgumentParser
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa.train import DataArguments, LoopArguments, ModelArguments, RFAArguments, train
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = HfArgumentParser((ModelArguments, DataArguments, RFAArguments, LoopArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        args = parser.parse_json_file(sys.argv[1])
-    else:
-        args = parser.parse_args_into_dataclasses(args=argv)
-    # (no PartialState() here: it would fix the distributed setup before Accelerator(cpu=...) reads it)
-    main_process = os.environ.get("RANK", "0") == "0"
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO if main_process else logging.WARNING)
-    return train(*args)
-
+from hf_rfa.cli import train_accelerate_main as main  # noqa: E402,F401
 
 if __name__ == "__main__":
     main()

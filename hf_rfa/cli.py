@@ -1,0 +1,170 @@
+"""Command lines installed as entry points (``[project.scripts]``); the repo scripts are thin wrappers.
+
+    hf-rfa-convert      conversion/convert.py        convert + transfer + (LoRA) + report + export
+    hf-rfa-evaluate     conversion/evaluate.py       perplexity of a checkpoint (one JSON line)
+    hf-rfa-finetune     training/finetune.py         transformers.Trainer recipe
+    hf-rfa-train        training/train_accelerate.py Accelerate loop with exact resume
+
+Flags: conversion flags are spelled ``--feature-map``; every one also accepts the underscore form
+(``--feature_map``) that the training commands (``HfArgumentParser``) use, and those accept the
+dash form — so either spelling works everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+CONVERT_DESCRIPTION = "Convert a checkpoint to random feature attention: transfer, (LoRA), quality report, export."
+EVALUATE_DESCRIPTION = "Perplexity of any causal-LM checkpoint, original or converted; prints one JSON line."
+
+
+def _log_info(level: int = logging.INFO) -> None:
+    """Command lines show hf_rfa's progress (INFO; other ranks: WARNING) whatever transformers' verbosity is."""
+    logging.getLogger("hf_rfa").setLevel(level)
+
+
+def _add(p: argparse.ArgumentParser, flag: str, *more: str, **kwargs) -> argparse.Action:
+    """``p.add_argument(flag)`` that also accepts the underscore spelling (``--feature_map``)."""
+    names = [flag, *more]
+    alias = "--" + flag[2:].replace("-", "_")
+    if alias != flag:
+        names.append(alias)
+    return p.add_argument(*names, **kwargs)
+
+
+# --------------------------------------------------------------------------- hf-rfa-convert
+def convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=CONVERT_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add(p, "--model", required=True, help="Hub id (e.g. gpt2), local folder or .gguf file")
+    _add(p, "--output", required=True, help="folder to create (written to a temp dir, renamed at the end)")
+    _add(p, "--feature-map", default="hedgehog")
+    _add(p, "--num-features", type=int, default=64)
+    _add(p, "--window", type=int, default=64)
+    _add(p, "--sinks", type=int, default=4)
+    _add(p, "--no-hybrid-mix", dest="hybrid_mix", action="store_false", help="no learned feature/exact mixing weight")
+    _add(p, "--learnable-projections", action="store_true", help="favor+/positive/rff…: attention transfer trains the projections")
+    _add(p, "--transfer-tokens", type=int, default=500_000)
+    _add(p, "--lora-tokens", type=int, default=0)
+    _add(p, "--transfer-minutes", type=float, default=None, help="wall-time cap of attention transfer")
+    _add(p, "--lora-minutes", type=float, default=None, help="wall-time cap of LoRA")
+    _add(p, "--calibration-text", required=True)
+    _add(p, "--train-text", default=None, help="transfer/LoRA text (default: calibration text)")
+    _add(p, "--eval-text", required=True)
+    _add(p, "--context", type=int, default=1024, help="sequence length of transfer and LoRA")
+    _add(p, "--lora-context", type=int, default=None)
+    _add(p, "--eval-contexts", type=int, nargs="+", default=[1024])
+    _add(p, "--eval-tokens", type=int, default=16384, help="predicted tokens per evaluation (0: all)")
+    _add(p, "--error-tokens", type=int, default=2048)
+    _add(p, "--eval-sentences", type=int, default=1000)
+    _add(p, "--transfer-queries", type=int, default=256, help="causal: fit the last Q queries of each sequence (0: all)")
+    _add(p, "--transfer-lr", type=float, default=1e-2)
+    _add(p, "--lora-lr", type=float, default=1e-3)
+    _add(p, "--lora-r", type=int, default=8)
+    _add(p, "--no-baselines", dest="baselines", action="store_false", help="skip the untrained baselines")
+    _add(p, "--no-random-hybrid", dest="random_hybrid", action="store_false", help="skip the random-feature hybrid baseline")
+    _add(p, "--eval-twin-max", type=int, default=2048, help="evaluate converted models up to this context with the op's quadratic twin (0: never)")
+    _add(p, "--random-num-features", type=int, default=256)
+    _add(p, "--seed", type=int, default=0)
+    _add(p, "--push-to-hub", default=None, metavar="ID", help="upload the output folder to this Hub repo (a failed upload keeps the folder and says how to retry)")
+    _add(p, "--base-model", default=None, metavar="ID", help="Hub id the model was converted from, for the model card (default: --model when it is a Hub id)")
+    _add(p, "--overwrite", action="store_true")
+    _add(p, "--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> ConversionConfig:
+    a = vars(convert_parser().parse_args(argv))
+    a["eval_tokens"] = a["eval_tokens"] or None
+    a["transfer_queries"] = a["transfer_queries"] or None
+    from .pipeline import ConversionConfig
+
+    return ConversionConfig(**a)
+
+
+def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the temp folder is removed
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def convert_main(argv: list[str] | None = None) -> dict:
+    """``hf-rfa-convert`` / ``conversion/convert.py``: run one conversion, print the result table."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _log_info()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    from .pipeline import _rows_markdown, run
+
+    report = run(config_from_args(argv))
+    print(_rows_markdown(report["rows"]))
+    if "generation" in report:
+        print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")
+    print(f"\noutput: {report['output']}")
+    if "push_error" in report:
+        print(f"\npush to the Hub failed: {report['push_error']}")
+    return report
+
+
+# --------------------------------------------------------------------------- hf-rfa-evaluate
+def evaluate_main(argv: list[str] | None = None) -> dict:
+    """``hf-rfa-evaluate`` / ``conversion/evaluate.py``: perplexity of a causal LM, one JSON line."""
+    from . import evaluation
+    from .pipeline import CAUSAL_LM, load_model
+
+    p = argparse.ArgumentParser(description=EVALUATE_DESCRIPTION)
+    _add(p, "--model", required=True, help="folder, Hub id or .gguf file")
+    _add(p, "--text", required=True, help="file, wikipedia:<split> or name[:config]:split")
+    _add(p, "--context", type=int, default=1024)
+    _add(p, "--max-tokens", type=int, default=None, help="evaluate this many tokens (evenly spread windows)")
+    _add(p, "--no-progress", dest="progress", action="store_false")
+    a = p.parse_args(argv)
+    model, tok, kind = load_model(a.model)
+    if kind != CAUSAL_LM:
+        p.error(f"--model {a.model} is a {kind}, not a causal LM: perplexity is undefined")
+    ids = evaluation.tokenize(tok, evaluation.load_text(a.text))
+    r = evaluation.perplexity(model, ids, a.context, a.max_tokens, progress=a.progress)
+    out = {"perplexity": r["perplexity"], "tokens": r["tokens"], "windows": r["windows"], "context": r["context"]}
+    print(json.dumps(out))
+    return out
+
+
+# --------------------------------------------------------------------------- training
+def _parse_training(dataclasses: tuple, argv: list[str] | None, files: tuple[str, ...]) -> tuple:
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclasses)
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(files):
+        path = sys.argv[1]
+        return tuple(parser.parse_json_file(path) if path.endswith(".json") else parser.parse_yaml_file(path))
+    return tuple(parser.parse_args_into_dataclasses(args=argv))
+
+
+def finetune_main(argv: list[str] | None = None) -> dict:
+    """``hf-rfa-finetune`` / ``training/finetune.py``: the ``transformers.Trainer`` recipe."""
+    from transformers import TrainingArguments
+
+    from .train import DataArguments, ModelArguments, RFAArguments, run_trainer
+
+    model_args, data_args, rfa_args, training_args = _parse_training(
+        (ModelArguments, DataArguments, RFAArguments, TrainingArguments), argv, (".json", ".yaml", ".yml"))
+    level = logging.INFO if training_args.process_index == 0 else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
+    _log_info(level)
+    return run_trainer(model_args, data_args, rfa_args, training_args)
+
+
+def train_accelerate_main(argv: list[str] | None = None) -> dict:
+    """``hf-rfa-train`` / ``training/train_accelerate.py``: the Accelerate loop."""
+    from .train import DataArguments, LoopArguments, ModelArguments, RFAArguments, train
+
+    args = _parse_training((ModelArguments, DataArguments, RFAArguments, LoopArguments), argv, (".json",))
+    # (no PartialState() here: it would fix the distributed setup before Accelerator(cpu=...) reads it)
+    main_process = os.environ.get("RANK", "0") == "0"
+    level = logging.INFO if main_process else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
+    _log_info(level)
+    return train(*args)
