@@ -19,7 +19,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def test_license_changelog_and_py_typed():
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
-    assert PYPROJECT["project"]["license"]["text"] == "Apache-2.0"
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
     assert (ROOT / "hf_rfa" / "py.typed").is_file()
     assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["hf_rfa"]
