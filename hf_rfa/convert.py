@@ -13,7 +13,7 @@ import inspect
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -90,7 +90,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks)
 
 
-def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> nn.Module:
+def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any) -> nn.Module:
     """Replace softmax attention of ``model`` by random feature attention, in place; returns it.
 
     Args:
@@ -219,7 +219,7 @@ def load_rfa_state(model: nn.Module, path: str) -> None:
     model.load_state_dict(mapped, strict=False)
 
 
-def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
+def from_pretrained(name_or_path: str | os.PathLike, model_class: type[nn.Module] | None = None, **kwargs: Any) -> nn.Module:
     """Load a checkpoint saved from a converted model (local folder or Hub id).
 
     Reads ``rfa_config`` from its config, loads the base weights with ``model_class`` (default:
@@ -230,7 +230,7 @@ def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
 
     register()
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir") if k in kwargs}
-    path = _resolve_dir(name_or_path, **hub_kwargs)
+    path = _resolve_dir(os.fspath(name_or_path), **hub_kwargs)
     cfg = AutoConfig.from_pretrained(path)
     d = getattr(cfg, CONFIG_ATTR, None)
     if not d:

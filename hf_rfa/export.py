@@ -38,9 +38,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
 
 from .config import CONFIG_ATTR, RFAConfig
 
@@ -503,8 +506,8 @@ def push_to_hub(
     revision: str | None = None,
     commit_message: str | None = None,
     create_repo: bool = True,
-    **export_kwargs,
-):
+    **export_kwargs: Any,
+) -> CommitInfo:
     """:func:`export` to a temporary folder, then upload it with ``HfApi().upload_folder``.
 
     Returns the ``CommitInfo`` of the upload. ``export_kwargs`` go to :func:`export`.

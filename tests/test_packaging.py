@@ -75,3 +75,15 @@ def test_logging_follows_transformers_verbosity():
     finally:
         hf_logging.set_verbosity(old)
     assert hf_rfa.__version__
+
+
+def test_public_api_is_fully_annotated():
+    import inspect
+
+    for name in hf_rfa.__all__:
+        obj = getattr(hf_rfa, name)
+        if not inspect.isfunction(obj):
+            continue
+        sig = inspect.signature(obj)
+        missing = [p.name for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
+        assert not missing and sig.return_annotation is not inspect.Signature.empty, (name, missing)
