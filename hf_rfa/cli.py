@@ -29,6 +29,21 @@ def _log_info(level: int = logging.INFO) -> None:
     logging.getLogger("hf_rfa").setLevel(level)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` except on on/off switches (a ``--no-...`` flag defaulting to True misleads)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or action.required:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _feature_map_names() -> list[str]:
+    from .feature_maps import available_feature_maps
+
+    return sorted(available_feature_maps())
+
+
 def _add(p: argparse.ArgumentParser, flag: str, *more: str, **kwargs) -> argparse.Action:
     """``p.add_argument(flag)`` that also accepts the underscore spelling (``--feature_map``)."""
     names = [flag, *more]
@@ -40,41 +55,41 @@ def _add(p: argparse.ArgumentParser, flag: str, *more: str, **kwargs) -> argpars
 
 # --------------------------------------------------------------------------- hf-rfa-convert
 def convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=CONVERT_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=CONVERT_DESCRIPTION, formatter_class=_DefaultsFormatter)
     _add(p, "--model", required=True, help="Hub id (e.g. gpt2), local folder or .gguf file")
     _add(p, "--output", required=True, help="folder to create (written to a temp dir, renamed at the end)")
-    _add(p, "--feature-map", default="hedgehog")
-    _add(p, "--num-features", type=int, default=64)
-    _add(p, "--window", type=int, default=64)
-    _add(p, "--sinks", type=int, default=4)
+    _add(p, "--feature-map", default="hedgehog", choices=_feature_map_names(), help="feature map of the converted layers")
+    _add(p, "--num-features", type=int, default=64, help="random / learned features m per head")
+    _add(p, "--window", type=int, default=64, help="exact-softmax local window W (0: none)")
+    _add(p, "--sinks", type=int, default=4, help="first S tokens attended exactly (attention sinks)")
     _add(p, "--no-hybrid-mix", dest="hybrid_mix", action="store_false", help="no learned feature/exact mixing weight")
     _add(p, "--learnable-projections", action="store_true", help="favor+/positive/rff…: attention transfer trains the projections")
-    _add(p, "--transfer-tokens", type=int, default=500_000)
-    _add(p, "--lora-tokens", type=int, default=0)
+    _add(p, "--transfer-tokens", type=int, default=500_000, help="tokens of attention transfer (learned maps; 0: skip)")
+    _add(p, "--lora-tokens", type=int, default=0, help="tokens of the LoRA stage (causal LMs; 0: skip)")
     _add(p, "--transfer-minutes", type=float, default=None, help="wall-time cap of attention transfer")
     _add(p, "--lora-minutes", type=float, default=None, help="wall-time cap of LoRA")
-    _add(p, "--calibration-text", required=True)
+    _add(p, "--calibration-text", required=True, help="text for the per-layer error table: file, wikipedia:<split>, rotten_tomatoes:<split> or name[:config]:split")
     _add(p, "--train-text", default=None, help="transfer/LoRA text (default: calibration text)")
-    _add(p, "--eval-text", required=True)
+    _add(p, "--eval-text", required=True, help="held-out evaluation text (same forms as --calibration-text)")
     _add(p, "--context", type=int, default=1024, help="sequence length of transfer and LoRA")
-    _add(p, "--lora-context", type=int, default=None)
-    _add(p, "--eval-contexts", type=int, nargs="+", default=[1024])
+    _add(p, "--lora-context", type=int, default=None, help="sequence length of LoRA (default: --context)")
+    _add(p, "--eval-contexts", type=int, nargs="+", default=[1024], help="contexts at which perplexity is measured")
     _add(p, "--eval-tokens", type=int, default=16384, help="predicted tokens per evaluation (0: all)")
-    _add(p, "--error-tokens", type=int, default=2048)
-    _add(p, "--eval-sentences", type=int, default=1000)
+    _add(p, "--error-tokens", type=int, default=2048, help="calibration tokens of the per-layer error table")
+    _add(p, "--eval-sentences", type=int, default=1000, help="encoders: held-out sentences for embedding cosine / accuracy")
     _add(p, "--transfer-queries", type=int, default=256, help="causal: fit the last Q queries of each sequence (0: all)")
-    _add(p, "--transfer-lr", type=float, default=1e-2)
-    _add(p, "--lora-lr", type=float, default=1e-3)
-    _add(p, "--lora-r", type=int, default=8)
+    _add(p, "--transfer-lr", type=float, default=1e-2, help="learning rate of attention transfer")
+    _add(p, "--lora-lr", type=float, default=1e-3, help="learning rate of LoRA")
+    _add(p, "--lora-r", type=int, default=8, help="LoRA rank")
     _add(p, "--no-baselines", dest="baselines", action="store_false", help="skip the untrained baselines")
     _add(p, "--no-random-hybrid", dest="random_hybrid", action="store_false", help="skip the random-feature hybrid baseline")
     _add(p, "--eval-twin-max", type=int, default=2048, help="evaluate converted models up to this context with the op's quadratic twin (0: never)")
-    _add(p, "--random-num-features", type=int, default=256)
-    _add(p, "--seed", type=int, default=0)
+    _add(p, "--random-num-features", type=int, default=256, help="features of the random-feature baselines")
+    _add(p, "--seed", type=int, default=0, help="seed of projections and training")
     _add(p, "--push-to-hub", default=None, metavar="ID", help="upload the output folder to this Hub repo (a failed upload keeps the folder and says how to retry)")
     _add(p, "--base-model", default=None, metavar="ID", help="Hub id the model was converted from, for the model card (default: --model when it is a Hub id)")
-    _add(p, "--overwrite", action="store_true")
-    _add(p, "--no-progress", dest="progress", action="store_false")
+    _add(p, "--overwrite", action="store_true", help="replace an existing --output folder")
+    _add(p, "--no-progress", dest="progress", action="store_false", help="no progress bars")
     return p
 
 
@@ -120,7 +135,7 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     _add(p, "--text", required=True, help="file, wikipedia:<split> or name[:config]:split")
     _add(p, "--context", type=int, default=1024)
     _add(p, "--max-tokens", type=int, default=None, help="evaluate this many tokens (evenly spread windows)")
-    _add(p, "--no-progress", dest="progress", action="store_false")
+    _add(p, "--no-progress", dest="progress", action="store_false", help="no progress bars")
     a = p.parse_args(argv)
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:

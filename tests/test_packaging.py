@@ -87,3 +87,15 @@ def test_public_api_is_fully_annotated():
         sig = inspect.signature(obj)
         missing = [p.name for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
         assert not missing and sig.return_annotation is not inspect.Signature.empty, (name, missing)
+
+
+def test_convert_help_lists_choices_and_every_flag_has_help():
+    from hf_rfa.cli import convert_parser
+
+    p = convert_parser()
+    undocumented = [a.option_strings[0] for a in p._actions if a.option_strings and a.dest != "help" and not a.help]
+    assert undocumented == []
+    text = p.format_help()
+    assert "favor+" in text and "hedgehog" in text
+    no_baselines = next(a for a in p._actions if "--no-baselines" in a.option_strings)
+    assert "default" not in p._get_formatter()._get_help_string(no_baselines)
