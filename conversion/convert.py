@@ -6,15 +6,11 @@
 
 Text sources: a file, ``wikipedia:<calibration|train|eval>`` / ``rotten_tomatoes:<train|test>``
 (offline assets) or a Hub dataset ``name[:config]:split``. All logic is in
-:mod:`hf_rfa.pipeline`; flags and printing in :mod:`hf_rfa.cli` (installed as ``hf-rfa-convert``).
+:mod:`hf_rfa.recipes.conversion.pipeline`; flags and printing in :mod:`hf_rfa.cli` (installed as
+``hf-rfa-convert``).
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hf_rfa.cli import _interrupt, config_from_args, convert_main as main, convert_parser as parser  # noqa: E402,F401
+from hf_rfa.cli import _interrupt, config_from_args, convert_main as main, convert_parser as parser  # noqa: F401
 
 if __name__ == "__main__":
     main()

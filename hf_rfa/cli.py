@@ -97,7 +97,7 @@ def config_from_args(argv: list[str] | None = None) -> ConversionConfig:
     a = vars(convert_parser().parse_args(argv))
     a["eval_tokens"] = a["eval_tokens"] or None
     a["transfer_queries"] = a["transfer_queries"] or None
-    from .pipeline import ConversionConfig
+    from .recipes.conversion.pipeline import ConversionConfig
 
     return ConversionConfig(**a)
 
@@ -112,7 +112,7 @@ def convert_main(argv: list[str] | None = None) -> dict:
     _log_info()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
-    from .pipeline import _rows_markdown, run
+    from .recipes.conversion.pipeline import _rows_markdown, run
 
     report = run(config_from_args(argv))
     print(_rows_markdown(report["rows"]))
@@ -127,8 +127,8 @@ def convert_main(argv: list[str] | None = None) -> dict:
 # --------------------------------------------------------------------------- hf-rfa-evaluate
 def evaluate_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-evaluate`` / ``conversion/evaluate.py``: perplexity of a causal LM, one JSON line."""
-    from . import evaluation
-    from .pipeline import CAUSAL_LM, load_model
+    from .recipes import evaluation
+    from .recipes.conversion.pipeline import CAUSAL_LM, load_model
 
     p = argparse.ArgumentParser(description=EVALUATE_DESCRIPTION)
     _add(p, "--model", required=True, help="folder, Hub id or .gguf file")
@@ -162,7 +162,7 @@ def finetune_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-finetune`` / ``training/finetune.py``: the ``transformers.Trainer`` recipe."""
     from transformers import TrainingArguments
 
-    from .train import DataArguments, ModelArguments, RFAArguments, run_trainer
+    from .recipes.training import DataArguments, ModelArguments, RFAArguments, run_trainer
 
     model_args, data_args, rfa_args, training_args = _parse_training(
         (ModelArguments, DataArguments, RFAArguments, TrainingArguments), argv, (".json", ".yaml", ".yml"))
@@ -174,7 +174,7 @@ def finetune_main(argv: list[str] | None = None) -> dict:
 
 def train_accelerate_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-train`` / ``training/train_accelerate.py``: the Accelerate loop."""
-    from .train import DataArguments, LoopArguments, ModelArguments, RFAArguments, train
+    from .recipes.training import DataArguments, LoopArguments, ModelArguments, RFAArguments, train
 
     args = _parse_training((ModelArguments, DataArguments, RFAArguments, LoopArguments), argv, (".json",))
     # (no PartialState() here: it would fix the distributed setup before Accelerator(cpu=...) reads it)

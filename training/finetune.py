@@ -11,15 +11,10 @@ dataset). Starts from an original checkpoint (converted on the fly with ``--feat
         --output_dir out --do_train --do_eval --num_train_epochs 1
     accelerate launch --config_file training/configs/ddp.yaml training/finetune.py ...
 
-All logic lives in :mod:`hf_rfa.train`; see training/README.md.
+All logic lives in :mod:`hf_rfa.recipes.training` (flags: :mod:`hf_rfa.cli`, installed as ``hf-rfa-finetune``); see training/README.md.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hf_rfa.cli import finetune_main as main  # noqa: E402,F401
+from hf_rfa.cli import finetune_main as main  # noqa: F401
 
 if __name__ == "__main__":
     main()

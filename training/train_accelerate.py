@@ -11,15 +11,10 @@ Same tasks and model options as ``finetune.py``; adds gradient accumulation, mix
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
         training/train_accelerate.py ...   # two CPU processes, gloo (``--cpu`` alone starts one)
 
-All logic lives in :mod:`hf_rfa.train.loop`; see training/README.md.
+All logic lives in :mod:`hf_rfa.recipes.training.loop` (flags: :mod:`hf_rfa.cli`, installed as ``hf-rfa-train``); see training/README.md.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hf_rfa.cli import train_accelerate_main as main  # noqa: E402,F401
+from hf_rfa.cli import train_accelerate_main as main  # noqa: F401
 
 if __name__ == "__main__":
     main()
