@@ -26,6 +26,13 @@ def _register_with_transformers() -> None:
     except ImportError:  # transformers not installed: the ops still work
         return
     register()
+    from ._logging import follow_transformers_verbosity
+    from .hf.loading import install_load_hook, install_peft_hook
+
+    follow_transformers_verbosity()
+
+    install_load_hook()
+    install_peft_hook()
 
 
 _register_with_transformers()

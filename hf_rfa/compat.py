@@ -44,6 +44,9 @@ HOOKS: tuple[Hook, ...] = (
          "the model-type -> class-name table of each Auto class: which auto_map entries an export may declare"),
     Hook("PreTrainedModel.accepts_loss_kwargs", "transformers", "recipes.training.trainer.run_trainer",
          "Trainer scales a classifier's batch-mean loss as a token sum (doubled on 2 processes) unless this is False"),
+    Hook("PreTrainedModel.post_init / _keys_to_ignore_on_load_unexpected", "transformers", "hf.loading.install_load_hook",
+         "the per-instance regexes of checkpoint keys not to report as unexpected: a converted folder's rfa.* tensors "
+         "are loaded by the load hook right after from_pretrained, so they must not be reported as dropped"),
     Hook("torch.utils.cpp_extension._get_build_directory", "torch", "ops.backends.native",
          "where torch's builder keeps its lock file: a killed build leaves it and every later load would hang"),
 )
@@ -58,6 +61,30 @@ def attn_implementation_of(config: Any) -> str | None:
 def preset_attn_implementation(config: Any, name: str) -> None:
     """Select attention implementation ``name`` on a config before the model is built from it."""
     config._attn_implementation = name
+
+
+def wrap_post_init(after: Callable[[Any], None]) -> bool:
+    """Run ``after(model)`` at the end of every ``PreTrainedModel.post_init`` (idempotent; False if already wrapped)."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.post_init
+    if getattr(original, "_hf_rfa_hook", False):
+        return False
+
+    @functools.wraps(original)
+    def post_init(self):
+        original(self)
+        after(self)
+
+    post_init._hf_rfa_hook = True
+    PreTrainedModel.post_init = post_init
+    return True
+
+
+def ignore_unexpected_keys(model: Any, pattern: str) -> None:
+    """Do not report checkpoint keys matching the regex ``pattern`` as unexpected when ``model`` loads."""
+    keys = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+    model._keys_to_ignore_on_load_unexpected = set(keys or ()) | {pattern}
 
 
 def can_set_attn_implementation(model_class: type) -> bool | None:

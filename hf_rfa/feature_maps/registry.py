@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 from typing import Callable, TypeVar
 
@@ -49,7 +51,7 @@ def feature_map_class(name: str) -> type[FeatureMap]:
 
 
 def build_feature_map(
-    name: str, head_dim: int, num_features: int = 256, seed: int = 0, **options
+    name: str, head_dim: int, num_features: int = 256, seed: int = 0, **options: Any
 ) -> FeatureMap:
     """Build the feature map ``name`` for heads of size ``head_dim``.
 

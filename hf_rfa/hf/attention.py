@@ -127,6 +127,12 @@ def rfa_attention_forward(
         causal = bool(getattr(module, "is_causal", False))
     mask2d = _padding_mask(attention_mask, key.shape[2])
     rfa = getattr(module, "rfa", None)
+    if rfa is None and not getattr(module, "_hf_rfa_converted", False):
+        raise ValueError(
+            f"attn_implementation='rfa' on {type(module).__name__} of a model that hf_rfa.convert never converted "
+            "would run plain softmax: call hf_rfa.convert(model, hf_rfa.RFAConfig(...)) (or load a converted "
+            "folder with from_pretrained)"
+        )
     if rfa is None:
         out = exact_attention(query, key, value, mask2d, causal, scaling, dropout)
     else:

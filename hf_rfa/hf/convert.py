@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -23,6 +24,19 @@ from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
 
 logger = logging.getLogger(__name__)
+
+#: set while hf_rfa.from_pretrained loads: the load hook (:mod:`.loading`) leaves conversion to it
+_BYPASS_LOAD_HOOK: ContextVar[bool] = ContextVar("hf_rfa_bypass_load_hook", default=False)
+
+
+@contextmanager
+def bypass_load_hook() -> Iterator[None]:
+    """``from_pretrained`` inside this block leaves conversion to the caller (no load hook)."""
+    token = _BYPASS_LOAD_HOOK.set(True)
+    try:
+        yield
+    finally:
+        _BYPASS_LOAD_HOOK.reset(token)
 
 
 def _uses_attention_interface(module: nn.Module) -> bool:
@@ -79,7 +93,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend)
 
 
-def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> nn.Module:
+def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any) -> nn.Module:
     """Replace softmax attention of ``model`` by random feature attention, in place; returns it.
 
     Args:
@@ -106,6 +120,9 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> n
     present = {idx for _, _, idx in modules}
     if config.layers is not None and not set(config.layers) <= present:
         raise ValueError(f"layers {sorted(set(config.layers) - present)} not in the model (it has layers {sorted(present)})")
+    for _name, module in model.named_modules():  # cross-attention and unselected layers: exact on purpose
+        if _uses_attention_interface(module):
+            module._hf_rfa_converted = True
     converted = 0
     for _name, module, idx in modules:
         if hasattr(module, "rfa"):
@@ -186,18 +203,6 @@ def _resolve_dir(name_or_path: str, **hub_kwargs) -> str:
     return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs)
 
 
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)
-
-
 def load_rfa_state(model: nn.Module, path: str) -> None:
     """Load saved feature-map tensors into a converted model; ValueError if any is missing."""
     saved = _read_rfa_tensors(path)
@@ -216,7 +221,7 @@ def load_rfa_state(model: nn.Module, path: str) -> None:
     model.load_state_dict(mapped, strict=False)
 
 
-def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
+def from_pretrained(name_or_path: str | os.PathLike, model_class: type[nn.Module] | None = None, **kwargs: Any) -> nn.Module:
     """Load a checkpoint saved from a converted model (local folder or Hub id).
 
     Reads ``rfa_config`` from its config, loads the base weights with ``model_class`` (default:
@@ -227,7 +232,7 @@ def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
 
     register()
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir") if k in kwargs}
-    path = _resolve_dir(name_or_path, **hub_kwargs)
+    path = _resolve_dir(os.fspath(name_or_path), **hub_kwargs)
     cfg = AutoConfig.from_pretrained(path)
     d = getattr(cfg, CONFIG_ATTR, None)
     if not d:
@@ -240,7 +245,7 @@ def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
         model_class = getattr(transformers, arch, None) if arch else None
         if model_class is None:
             raise ValueError(f"cannot tell the model class of {name_or_path}; pass model_class=")
-    with _quiet_transformers():  # the rfa.* keys are reported as unexpected: we load them below
+    with bypass_load_hook():  # the rfa.* keys are ignored on load (post_init hook); loaded below
         model = model_class.from_pretrained(path, attn_implementation=ATTN_NAME, **kwargs)
     convert(model, rfa_cfg)
     load_rfa_state(model, path)

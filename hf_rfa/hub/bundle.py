@@ -1,7 +1,7 @@
 """The remote code of an export: flat copies of a declared list of hf_rfa modules.
 
-:data:`BUNDLED_MODULES` names every module an exported model needs (``hf_rfa.hf.convert`` and what it
-imports); ``tests/hub/test_export.py`` checks that it equals that import closure, and bundling
+:data:`BUNDLED_MODULES` names every module an exported model needs (``hf_rfa.hf.convert``, ``hf_rfa.hf.cache`` and what
+they import); ``tests/hub/test_export.py`` checks that it equals that import closure, and bundling
 refuses a module that imports an hf_rfa module outside the list.
 
 Each module is copied verbatim to one flat file, ``hf_rfa/feature_maps/base.py`` →
@@ -24,8 +24,9 @@ from typing import Sequence
 PACKAGE = "hf_rfa"
 #: prefix of the generated module files
 FILE_PREFIX = "hf_rfa_"
-#: the module an exported model's remote class imports (``convert``); its import closure is bundled
-ROOT_MODULES = ("hf_rfa.hf.convert",)
+#: the modules an exported model's remote class imports (``convert``, the generation ``cache``); their
+#: import closure is bundled
+ROOT_MODULES = ("hf_rfa.hf.convert", "hf_rfa.hf.cache")
 #: every module of the remote code (= the import closure of :data:`ROOT_MODULES`; tested)
 BUNDLED_MODULES = (
     "hf_rfa.compat",
@@ -39,6 +40,7 @@ BUNDLED_MODULES = (
     "hf_rfa.feature_maps.random_projections",
     "hf_rfa.feature_maps.registry",
     "hf_rfa.hf.attention",
+    "hf_rfa.hf.cache",
     "hf_rfa.hf.convert",
     "hf_rfa.ops",
     "hf_rfa.ops.attention",
@@ -47,6 +49,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.backends.kernels",
     "hf_rfa.ops.backends.native",
     "hf_rfa.ops.bidirectional",
+    "hf_rfa.ops.decode",
     "hf_rfa.ops.hybrid",
     "hf_rfa.ops.linear",
     "hf_rfa.ops.masks",

@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from torch import nn
 
@@ -37,10 +37,16 @@ from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
 from .bundle import PACKAGE, bundle_sources, bundled_modules, flat_name  # noqa: F401 (re-exported)
 
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
+
 logger = logging.getLogger(__name__)
 
 #: the file holding the remote model class
 MODELING_FILE = "modeling_hf_rfa.py"
+#: sentence-transformers files copied from the source folder when present (plus the module folders
+#: named in ``modules.json``, e.g. ``1_Pooling/``)
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 DEFAULT_TAGS = ("hf_rfa", "linear-attention", "random-feature-attention")
 
 # Auto classes tried, in order of preference, for the auto_map, with the Hub pipeline tag of each.
@@ -113,6 +119,9 @@ from .{att} import ATTN_NAME, register
 from .{cpt} import preset_attn_implementation
 from .{cfg} import CONFIG_ATTR, RFAConfig
 from .{conv} import convert
+from .{flat_name("hf_rfa.hf.cache")} import install_generate_hook
+
+install_generate_hook()  # generate() defaults to the constant-memory RFACache, as with hf_rfa installed
 
 
 class {name}({base}):
@@ -191,6 +200,9 @@ def export(
     repo_id: str | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    tokenizer: Any = None,
+    source_dir: str | os.PathLike | None = None,
+    dataset_name: str | None = None,
 ) -> Path:
     """Write a Hub-ready folder for a converted model; returns its path.
 
@@ -205,8 +217,14 @@ def export(
             specific one whose mapping holds the model's class, e.g. ``AutoModelForCausalLM``).
         pipeline_tag: Hub pipeline tag (default: from ``auto_class``).
         license: model card license (e.g. the base model's).
-        repo_id: Hub id used in the card's loading snippets (default: a placeholder).
+        repo_id: Hub id used in the card's loading snippets (default: the folder's path, with a
+            note to replace it after uploading).
         overwrite: replace a non-empty ``out_dir``.
+        tokenizer: saved with the model (default: loaded from ``source_dir`` or the model's
+            ``config._name_or_path``; a warning when there is none).
+        source_dir: the folder the model was loaded from (default: ``config._name_or_path`` when
+            it is a folder): its sentence-transformers files are copied.
+        dataset_name: the evaluation data named in the card's ``model-index``.
     Raises:
         ValueError: the model is not converted / not a transformers model, ``out_dir`` is not
             empty, or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
@@ -251,11 +269,55 @@ def export(
     card = render_model_card(
         rfa_config, model_class=model_class.__name__, auto_class=autos[0], base_model=base_model,
         metrics=metrics, tags=tags, pipeline_tag=pipeline_tag, license=license,
-        num_parameters=sum(p.numel() for p in model.parameters()), repo_id=repo_id or "<this-repo>",
+        num_parameters=sum(p.numel() for p in model.parameters()), repo_id=repo_id or str(out.resolve()),
+        dataset_name=dataset_name,
     )
+    if repo_id is None:
+        card += "\n(The loading snippets name this folder; after uploading, use the Hub id instead.)\n"
     (out / "README.md").write_text(card, encoding="utf-8")
     _check_saved_rfa_tensors(model, out)
+    source = Path(source_dir) if source_dir is not None else _source_dir(model)
+    _save_tokenizer(tokenizer, source if source is not None else getattr(model.config, "_name_or_path", None), out)
+    if source is not None:
+        _copy_sentence_transformers_files(source, out)
     return out
+
+
+def _source_dir(model: nn.Module) -> Path | None:
+    name = getattr(model.config, "_name_or_path", None)
+    return Path(name) if name and os.path.isdir(name) else None
+
+
+def _save_tokenizer(tokenizer: Any, source: str | Path | None, out: Path) -> None:
+    """Save ``tokenizer`` (or the one at ``source``) into ``out``; a warning when there is none."""
+    if tokenizer is None and source:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
+        except Exception as e:  # noqa: BLE001 - no tokenizer there: the export is still complete otherwise
+            logger.debug("no tokenizer at %s: %s", source, e)
+    if tokenizer is None:
+        logger.warning("export: no tokenizer saved (pass tokenizer=...): AutoTokenizer.from_pretrained(%s) will fail", out)
+        return
+    tokenizer.save_pretrained(out)
+
+
+def _copy_sentence_transformers_files(source: Path, out: Path) -> None:
+    """Copy ``modules.json``, ``sentence_bert_config.json``, … and the module folders it names."""
+    copied = []
+    for name in SENTENCE_TRANSFORMERS_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+            copied.append(name)
+    if (source / "modules.json").is_file():
+        for module in json.loads((source / "modules.json").read_text(encoding="utf-8")):
+            sub = module.get("path") or ""
+            if sub and (source / sub).is_dir():
+                shutil.copytree(source / sub, out / sub, dirs_exist_ok=True)
+                copied.append(sub + "/")
+    if copied:
+        logger.info("export: copied sentence-transformers files %s", copied)
 
 
 def _check_saved_rfa_tensors(model: nn.Module, out: Path) -> None:
@@ -284,8 +346,8 @@ def push_to_hub(
     revision: str | None = None,
     commit_message: str | None = None,
     create_repo: bool = True,
-    **export_kwargs,
-):
+    **export_kwargs: Any,
+) -> CommitInfo:
     """:func:`export` to a temporary folder, then upload it with ``HfApi().upload_folder``.
 
     Returns the ``CommitInfo`` of the upload. ``export_kwargs`` go to :func:`export`.
@@ -295,13 +357,31 @@ def push_to_hub(
     if not isinstance(repo_id, str) or not repo_id.strip():
         raise ValueError(f"repo_id must be a non-empty string such as 'user/model-rfa', got {repo_id!r}")
     api = HfApi(token=token)
-    with tempfile.TemporaryDirectory(prefix="hf_rfa_export_") as tmp:
-        export_kwargs.setdefault("repo_id", repo_id)
-        folder = export(model, tmp, base_model=base_model, metrics=metrics, tags=tags, overwrite=True, **export_kwargs)
+    tmp = tempfile.mkdtemp(prefix="hf_rfa_export_")
+    export_kwargs.setdefault("repo_id", repo_id)
+    folder = export(model, tmp, base_model=base_model, metrics=metrics, tags=tags, overwrite=True, **export_kwargs)
+    try:
         if create_repo:
             api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         logger.info("uploading %s to %s", folder, repo_id)
-        return api.upload_folder(
+        info = api.upload_folder(
             repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
             commit_message=commit_message or f"Upload {type(model).__name__} with random feature attention (hf_rfa)",
+        )
+    except Exception as e:  # noqa: BLE001 - network / auth: keep the export, say how to finish
+        raise PushError(repo_id, folder, e) from e
+    shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+class PushError(RuntimeError):
+    """An upload failed; the exported folder is kept at ``folder`` (upload it later)."""
+
+    def __init__(self, repo_id: str, folder: str | os.PathLike, cause: BaseException) -> None:
+        self.repo_id, self.folder = repo_id, str(folder)
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        super().__init__(
+            f"upload to the Hub repo {repo_id!r} failed ({type(cause).__name__}: {first}). The folder is kept at "
+            f"{self.folder}; upload it when the Hub is reachable and you are logged in (`hf auth login`): "
+            f"hf upload {repo_id} {self.folder} --repo-type model"
         )

@@ -1,4 +1,5 @@
-"""Model card (README.md) of an exported hf_rfa model: YAML front matter + usage + settings + metrics.
+"""Model card (README.md) of an exported hf_rfa model: ``huggingface_hub.ModelCard`` metadata
+(license, base_model, tags, ``model-index`` eval results) + usage + settings + metrics.
 
 The quality table shows only the numbers passed in ``metrics``; without them the card says that
 no measurements were supplied. Nothing is estimated or filled in.
@@ -20,24 +21,48 @@ def _field_help() -> dict[str, str]:
     return {f.name: f.metadata.get("help", f.name) for f in fields(RFAConfig)}
 
 
-def _yaml_scalar(value: Any) -> str:
-    # a JSON string is a valid YAML scalar (double-quoted style)
-    return json.dumps(value, ensure_ascii=False)
+def eval_results(
+    metrics: dict[str, Any] | None, task_type: str, dataset_name: str | None = None, dataset_type: str | None = None
+) -> list:
+    """``huggingface_hub.EvalResult`` per numeric entry of ``metrics`` (the card's ``model-index``).
+
+    ``{name: value}`` → one result named ``name``; ``{name: {column: value}}`` → one per numeric
+    column, named ``name [column]``. Strings are shown in the table only.
+    """
+    from huggingface_hub import EvalResult
+
+    out = []
+    for name, row in (metrics or {}).items():
+        cells = row.items() if isinstance(row, dict) else [(None, row)]
+        for col, value in cells:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                continue
+            label = name if col is None else f"{name} [{col}]"
+            out.append(EvalResult(
+                task_type=task_type, dataset_type=dataset_type or "custom", dataset_name=dataset_name or "held-out text (see the table)",
+                metric_type=_slug(label), metric_name=label, metric_value=float(value),
+            ))
+    return out
 
 
-def _front_matter(base_model: str | None, tags: list[str], pipeline_tag: str | None, license: str | None) -> str:
-    lines = ["---"]
-    if base_model:
-        lines.append(f"base_model: {_yaml_scalar(base_model)}")
-    lines.append("library_name: transformers")
-    if license:
-        lines.append(f"license: {_yaml_scalar(license)}")
-    if pipeline_tag:
-        lines.append(f"pipeline_tag: {_yaml_scalar(pipeline_tag)}")
-    lines.append("tags:")
-    lines.extend(f"- {_yaml_scalar(t)}" for t in tags)
-    lines.append("---")
-    return "\n".join(lines) + "\n"
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_") or "metric"
+
+
+def card_data(
+    base_model: str | None, tags: list[str], pipeline_tag: str | None, license: str | None,
+    metrics: dict[str, Any] | None = None, model_name: str | None = None,
+    dataset_name: str | None = None, dataset_type: str | None = None,
+):
+    """The card's metadata (``huggingface_hub.ModelCardData``), with eval results when measured."""
+    from huggingface_hub import ModelCardData
+
+    results = eval_results(metrics, pipeline_tag or "text-generation", dataset_name, dataset_type)
+    return ModelCardData(
+        base_model=base_model or None, library_name="transformers", license=license or None,
+        pipeline_tag=pipeline_tag, tags=list(tags), model_name=model_name if results else None,
+        eval_results=results or None,
+    )
 
 
 def _check_value(path: str, value: Any) -> None:
@@ -116,8 +141,13 @@ def render_model_card(
     license: str | None = None,
     num_parameters: int | None = None,
     repo_id: str = "<this-repo>",
+    dataset_name: str | None = None,
+    dataset_type: str | None = None,
 ) -> str:
-    """The README.md text of an exported model (see module docstring)."""
+    """The README.md text of an exported model (see module docstring), built as a
+    ``huggingface_hub.ModelCard`` (metadata: license, base_model, tags, model-index)."""
+    from huggingface_hub import ModelCard
+
     from .. import __version__
 
     tags = list(tags)
@@ -170,4 +200,5 @@ sees a 2-D padding mask).
 
 {metrics_table(metrics)}
 """
-    return _front_matter(base_model, tags, pipeline_tag, license) + body
+    data = card_data(base_model, tags, pipeline_tag, license, metrics, model_name=title, dataset_name=dataset_name, dataset_type=dataset_type)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from .linear import bidirectional_linear, causal_feature_attention, causal_linea
 from .masks import NEG, exp_floor, key_mask_bool, needs_grad, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
+
+if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
+    from ..feature_maps.base import FeatureMap
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ def random_feature_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    feature_map,
+    feature_map: FeatureMap,
     causal: bool = True,
     attention_mask: torch.Tensor | None = None,
     window: int = 0,

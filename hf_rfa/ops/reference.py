@@ -7,9 +7,14 @@ the queries are the *last* Nq key positions (as with a KV cache).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
+
+if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
+    from ..feature_maps.base import FeatureMap
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -67,7 +72,7 @@ def quadratic_kernel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    feature_map,
+    feature_map: FeatureMap,
     causal: bool = True,
     attention_mask: torch.Tensor | None = None,
     window: int = 0,

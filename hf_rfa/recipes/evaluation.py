@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import os
 
 import torch
 from torch import nn
+
+from .data_files import builder_of, load_local
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,9 @@ def load_text(spec: str) -> str:
     Raises ValueError for an unknown ``wikipedia:`` split or a dataset without a text column.
     """
     if os.path.isfile(spec):
-        with open(spec, encoding="utf-8") as f:
-            return f.read()
+        if builder_of(spec) == "text":
+            return "".join(load_local(spec, sample_by="document", what="text file")["text"])
+        return "\n".join(load_labelled(spec)[0])
     if spec.startswith("wikipedia:"):
         from .. import assets
 
@@ -64,16 +66,7 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
     """Texts and labels (None if the source has none): CSV file (``text[,label]``),
     ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
     if os.path.isfile(spec):
-        if spec.endswith(".csv"):
-            with open(spec, encoding="utf-8", newline="") as f:
-                rows = list(csv.DictReader(f))
-            col = next((c for c in _TEXT_COLUMNS if rows and c in rows[0]), None)
-            if col is None:
-                raise ValueError(f"{spec}: CSV needs a text column (one of {_TEXT_COLUMNS})")
-            labels = [int(r["label"]) for r in rows] if rows and "label" in rows[0] else None
-            return [r[col] for r in rows], labels
-        with open(spec, encoding="utf-8") as f:
-            return [line.strip() for line in f if line.strip()], None
+        return _labelled(load_local(spec, sample_by="line", what="text file"), spec)
     if spec.startswith("rotten_tomatoes:"):
         from .. import assets
 
@@ -81,12 +74,21 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
         return [r["text"] for r in rows], [int(r["label"]) for r in rows]
     if spec.startswith("wikipedia:"):
         return [p for p in load_text(spec).split("\n") if p.strip()], None
-    ds = _hub_dataset(spec)
+    return _labelled(_hub_dataset(spec), spec)
+
+
+def _labelled(ds, spec: str) -> tuple[list[str], list[int] | None]:
+    """Texts (empty ones dropped) and integer labels (None without a ``label`` column) of a dataset."""
     col = next((c for c in _TEXT_COLUMNS if c in ds.column_names), None)
     if col is None:
         raise ValueError(f"dataset {spec!r} has no text column (looked for {_TEXT_COLUMNS}; has {ds.column_names})")
-    labels = list(ds["label"]) if "label" in ds.column_names else None
-    return list(ds[col]), labels
+    values = ds[col]
+    keep = [i for i, t in enumerate(values) if t is not None and str(t).strip()]
+    texts = [values[i] for i in keep]
+    if "label" not in ds.column_names:
+        return texts, None
+    labels = ds["label"]
+    return texts, [int(labels[i]) for i in keep]
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:

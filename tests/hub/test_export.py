@@ -145,6 +145,11 @@ CHILD = textwrap.dedent(
             "rfa_modules": sum(1 for m in model.modules() if type(m).__name__ == "RFAAttention"),
             "hf_rfa_loaded": sorted(k for k in sys.modules if k == "hf_rfa" or k.startswith("hf_rfa.")),
         }
+        if job["auto"] == "AutoModelForCausalLM":
+            with torch.no_grad():
+                gen = model.generate(data["ids"][:1], max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+            results[name]["cache"] = type(gen.past_key_values).__name__
+            results[name]["tokens"] = gen.sequences
     torch.save(results, sys.argv[2])
     '''
 )
@@ -178,7 +183,23 @@ def remote(tmp_path_factory):
         cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (tmp / "child_stderr.txt").write_text(proc.stderr)
     return models, inputs, torch.load(tmp / "results.pt"), tmp
+
+
+def test_remote_load_warns_about_no_missing_kernel_source(remote):
+    stderr = (remote[3] / "child_stderr.txt").read_text()
+    assert "causal_cpu.cpp" not in stderr and "native CPU kernel unavailable" not in stderr, stderr[-2000:]
+
+
+def test_remote_generate_uses_the_constant_memory_cache(remote):
+    models, inputs, results, _ = remote
+    for name in ("llama_gqa_favor_window_sinks", "gpt2_hedgehog_window"):
+        assert results[name]["cache"] == "RFACache", results[name]
+        ids = inputs[name][0][:1]
+        with torch.no_grad():
+            want = models[name].generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(results[name]["tokens"], want)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -253,13 +274,13 @@ def test_transformers_copies_every_generated_file(remote):
 
 
 def test_bundle_is_the_declared_module_list():
-    """The remote code is exactly BUNDLED_MODULES, which is the import closure of hf_rfa.hf.convert;
+    """The remote code is exactly BUNDLED_MODULES, which is the import closure of hf_rfa.hf.convert and hf_rfa.hf.cache;
     a bundled module importing an undeclared hf_rfa module is refused, naming the list."""
     from hf_rfa.hub import bundle
 
     assert bundle.import_closure() == sorted(bundle.BUNDLED_MODULES)
     assert set(bundle_sources()) == {bundle.flat_name(m) + ".py" for m in bundle.BUNDLED_MODULES}
-    with pytest.raises(ValueError, match=r"hf_rfa\.hf\.convert imports .*BUNDLED_MODULES"):
+    with pytest.raises(ValueError, match=r"hf_rfa\.hf\.(convert|cache) imports .*BUNDLED_MODULES"):
         bundle.bundle_sources([m for m in bundle.BUNDLED_MODULES if m != "hf_rfa.hf.attention"])
 
 
@@ -302,6 +323,7 @@ def test_model_card(remote):
     for f in dataclasses.fields(hf_rfa.RFAConfig):
         assert f"| `{f.name}`: {f.metadata['help'].replace('|', chr(92) + '|')} |" in body, f.name
     assert "| note | unit test |" in body
+    assert "<this-repo>" not in body and str(tmp / "llama_gqa_favor_window_sinks") in body
     bert = yaml.safe_load((tmp / "bert_positive_redraw3" / "README.md").read_text().split("---\n", 2)[1])
     assert bert["pipeline_tag"] == "feature-extraction"
 
@@ -374,7 +396,78 @@ def test_push_to_hub_uploads_the_exported_folder():
     assert create.call_args.args[0] == "me/tiny-llama-rfa" and create.call_args.kwargs["private"] is True
     assert seen["repo_id"] == "me/tiny-llama-rfa" and seen["kwargs"]["repo_type"] == "model"
     assert {"config.json", "model.safetensors", "README.md", MODELING_FILE, "hf_rfa_hf_convert.py"} <= set(seen["files"])
-    assert "auto_map" in seen["config"] and "base_model: \"tiny/llama\"" in seen["card"]
+    assert "auto_map" in seen["config"] and yaml.safe_load(seen["card"].split("---\n")[1])["base_model"] == "tiny/llama"
     assert 'from_pretrained("me/tiny-llama-rfa", trust_remote_code=True)' in seen["card"]
     with pytest.raises(ValueError, match="repo_id"):
         push_to_hub(model, "")
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_export_saves_tokenizer_and_sentence_transformers_files(tmp_path):
+    """A sentence-transformers folder (MiniLM-like) exports with its tokenizer, modules.json,
+    sentence_bert_config.json and 1_Pooling/."""
+    src = tmp_path / "src"
+    tiny_model("bert").save_pretrained(src)
+    _tiny_tokenizer().save_pretrained(src)
+    (src / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))
+    (src / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+    model = hf_rfa.convert(tf.AutoModel.from_pretrained(src), hf_rfa.RFAConfig(feature_map="positive", num_features=8))
+    out = export(model, tmp_path / "out")
+    for name in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
+        assert (out / name).read_text() == (src / name).read_text(), name
+    tok = tf.AutoTokenizer.from_pretrained(out)
+    assert tok("w1 w5 zz")["input_ids"] == _tiny_tokenizer()("w1 w5 zz")["input_ids"]
+
+
+def test_export_without_tokenizer_warns(tmp_path, caplog):
+    model = hf_rfa.convert(tiny_model("gpt2"), hf_rfa.RFAConfig(num_features=8))
+    with caplog.at_level("WARNING", logger="hf_rfa.export"):
+        export(model, tmp_path / "out")
+    assert any("no tokenizer" in r.getMessage() for r in caplog.records)
+
+
+def test_model_card_metadata_through_huggingface_hub(tmp_path):
+    from huggingface_hub import ModelCard
+
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=8))
+    metrics = {"perplexity @64 (100 held-out tokens)": {"converted": 12.5, "original": 10.0}, "note": {"converted": "x"}}
+    out = export(model, tmp_path / "out", base_model="tiny/llama", metrics=metrics, license="apache-2.0", repo_id="me/tiny", dataset_name="wikitext")
+    card = ModelCard.load(out / "README.md")
+    assert card.data.license == "apache-2.0" and card.data.base_model == "tiny/llama"
+    results = {(r.metric_name, r.metric_value, r.dataset_name) for r in card.data.eval_results}
+    assert results == {("perplexity @64 (100 held-out tokens) [converted]", 12.5, "wikitext"),
+                       ("perplexity @64 (100 held-out tokens) [original]", 10.0, "wikitext")}
+    assert 'from_pretrained("me/tiny", trust_remote_code=True)' in card.text
+
+
+def test_push_failure_keeps_the_folder_and_says_what_to_do():
+    from hf_rfa.hub.export import PushError
+
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=8))
+
+    def offline(*args, **kwargs):
+        raise OSError("Connection refused")
+
+    with mock.patch("huggingface_hub.HfApi.create_repo", offline):
+        with pytest.raises(PushError, match="hf upload me/tiny") as err:
+            push_to_hub(model, "me/tiny")
+    folder = Path(err.value.folder)
+    try:
+        assert (folder / "model.safetensors").is_file() and (folder / MODELING_FILE).is_file()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder)

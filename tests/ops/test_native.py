@@ -212,7 +212,7 @@ def test_prefill_then_decode_with_kernel(pytorch_path):
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path):
-    """A kernel that cannot be built (here: its source is missing) is reported once as a warning
+    """A kernel that cannot be built (here: ninja missing) is reported once as a warning
     and the PyTorch path answers, with the same numbers as ever."""
     q, k, v, _ = _inputs(1, 2, 2, 40, 8, seed=10)
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
@@ -222,15 +222,56 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path)
             want = hf_rfa.random_feature_attention(q, k, v, fm)
         finally:
             native.set_native(True)
-    monkeypatch.setattr(native, "_SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(native, "_ninja_on_path", lambda: False)  # a build that cannot run
     monkeypatch.setitem(native._STATE, "module", None)
     monkeypatch.setitem(native._STATE, "failed", None)
     with caplog.at_level("WARNING", logger="hf_rfa.ops.backends.native"), torch.no_grad():
         got = hf_rfa.random_feature_attention(q, k, v, fm)
         again = hf_rfa.random_feature_attention(q, k, v, fm)
-    assert native.load() is None and "missing.cpp" in native._STATE["failed"]
+    assert native.load() is None and "ninja" in native._STATE["failed"]
     assert len([r for r in caplog.records if "native CPU kernel unavailable" in r.getMessage()]) == 1
     assert torch.equal(got, want) and torch.equal(again, want)
+
+
+def test_missing_source_is_silent(monkeypatch, caplog, tmp_path):
+    """Without the C++ source (the remote code of an export ships none) the PyTorch path runs
+    and nothing is logged at warning level."""
+    q, k, v, _ = _inputs(1, 2, 2, 40, 8, seed=10)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
+    monkeypatch.setattr(native, "_SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setitem(native._STATE, "module", None)
+    monkeypatch.setitem(native._STATE, "failed", None)
+    with caplog.at_level("WARNING", logger="hf_rfa.ops.native"), torch.no_grad():
+        hf_rfa.random_feature_attention(q, k, v, fm)
+    assert native.load() is None and "missing.cpp" in native._STATE["failed"]
+    assert not [r for r in caplog.records if r.levelno >= 30]
+
+
+def test_build_key_covers_source_torch_and_flags(monkeypatch, tmp_path):
+    """Same source text from another checkout → same build name; other flags or source → another."""
+    base = native._build_name()
+    copy = tmp_path / "causal_cpu.cpp"
+    copy.write_bytes(native._SOURCE.read_bytes())
+    monkeypatch.setattr(native, "_SOURCE", copy)
+    assert native._build_name() == base
+    monkeypatch.setattr(native, "CFLAGS", native.CFLAGS + ("-DX",))
+    assert native._build_name() != base
+    monkeypatch.setattr(native, "CFLAGS", native.CFLAGS[:-1])
+    copy.write_bytes(copy.read_bytes() + b"\n// changed\n")
+    assert native._build_name() != base
+
+
+def test_staged_source_path_is_shared(monkeypatch, tmp_path):
+    """The build compiles a copy inside its build folder: one path for every checkout."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    name = native._build_name()
+    staged = native._staged_source(name)
+    assert staged.read_bytes() == native._SOURCE.read_bytes() and str(tmp_path / "ext") in str(staged)
+    copy = tmp_path / "other_checkout" / "causal_cpu.cpp"
+    copy.parent.mkdir()
+    copy.write_bytes(native._SOURCE.read_bytes())
+    monkeypatch.setattr(native, "_SOURCE", copy)
+    assert native._staged_source(native._build_name()) == staged
 
 
 # ---- exact part of a causal hybrid (window + sinks) -------------------------------------------

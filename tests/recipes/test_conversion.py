@@ -241,3 +241,29 @@ def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_di
     assert wo_rows[f"{wo}, untrained"] != wo_rows[f"{wo}, after LoRA"]
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["long_range"][0]["variant"] == "original (softmax)"
+
+
+def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, monkeypatch, caplog, capsys):
+    """Without matplotlib the plot is skipped with one warning (checked before any stage); a failed
+    --push-to-hub keeps the folder, prints the table and says how to upload."""
+    import importlib.util
+
+    script = _script("convert")
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "matplotlib" else real_find_spec(name, *a, **k))
+
+    def offline(*args, **kwargs):
+        raise OSError("Connection refused")
+
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo", offline)
+    with caplog.at_level("WARNING", logger="hf_rfa.recipes.conversion.pipeline"):
+        report = script.main(_args(tiny_dir, "llama", tmp_path / "out", "--no-baselines", "--push-to-hub", "me/tiny-rfa"))
+    out = tmp_path / "out"
+    assert (out / "model.safetensors").is_file() and (out / "layer_errors.md").is_file()
+    assert not (out / "layer_errors.png").exists()
+    assert len([r for r in caplog.records if "matplotlib is not installed" in r.getMessage()]) == 1
+    assert "hf upload me/tiny-rfa" in report["push_error"]
+    printed = capsys.readouterr().out
+    assert "| original (softmax)" in printed and "push to the Hub failed" in printed and str(out.resolve()) in printed
+    assert (out / "tokenizer.json").is_file()  # exported by hf_rfa.export itself

@@ -99,7 +99,7 @@ def _cls_args(assets, **rfa) -> tuple[ModelArguments, DataArguments, RFAArgument
     [
         (lambda: DataArguments(task="seq2seq", train_file="a.txt"), "task"),
         (lambda: DataArguments(task="causal-lm"), "dataset_name or train_file"),
-        (lambda: DataArguments(task="causal-lm", train_file="a.parquet"), "train_file"),
+        (lambda: DataArguments(task="causal-lm", train_file="a.xlsx"), "train_file"),
         (lambda: DataArguments(task="causal-lm", train_file="a.txt", max_seq_length=0), "max_seq_length"),
         (lambda: ModelArguments(model_name_or_path="m", lora_r=-1), "lora_r"),
         (lambda: RFAArguments(feature_map="nope"), "feature_map"),

@@ -86,6 +86,7 @@ class ConversionConfig:
     generate_tokens: int = 30
     seed: int = 0
     push_to_hub: str | None = None
+    base_model: str | None = field(default=None, metadata={"help": "Hub id the model was converted from (model card base_model; default: --model when it is a Hub id)"})
     overwrite: bool = False
     progress: bool = True
 
@@ -218,27 +219,50 @@ def _generate(model: nn.Module, tok, prompt: str, n: int) -> str:
 def run(cfg: ConversionConfig) -> dict:
     """Run one conversion; returns the report (also written to ``output/report.json``)."""
     torch.manual_seed(cfg.seed)
+    report_plot = plotting_available()  # checked before any expensive stage
     output = Path(cfg.output).resolve()
     tmp = _tmp_dir(output, cfg.overwrite)
     try:
-        report = _run(cfg, tmp)
+        report = _run(cfg, tmp, plot=report_plot)
         _publish(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     report["output"] = str(output)
     if cfg.push_to_hub:
-        from ...hub.export import push_to_hub  # noqa: F401  (the folder is already Hub-ready)
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(cfg.push_to_hub, exist_ok=True, repo_type="model")
-        api.upload_folder(repo_id=cfg.push_to_hub, folder_path=str(output), repo_type="model")
-        logger.info("pushed %s to %s", output, cfg.push_to_hub)
+        _push(cfg.push_to_hub, output, report)
     return report
 
 
-def _run(cfg: ConversionConfig, tmp: Path) -> dict:
+def _push(repo_id: str, output: Path, report: dict) -> None:
+    """Upload the (already Hub-ready) output folder; a failure is reported, never raised: the
+    folder stays and ``report["push_error"]`` says how to upload it later."""
+    from huggingface_hub import HfApi
+
+    from ...hub.export import PushError
+
+    try:
+        api = HfApi()
+        api.create_repo(repo_id, exist_ok=True, repo_type="model")
+        api.upload_folder(repo_id=repo_id, folder_path=str(output), repo_type="model")
+    except Exception as e:  # noqa: BLE001 - network / auth problems must not lose the printed results
+        report["push_error"] = str(PushError(repo_id, output, e))
+        logger.error("%s", report["push_error"])
+        return
+    logger.info("pushed %s to %s", output, repo_id)
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib can draw ``layer_errors.png``; one warning when it cannot (the run goes on)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        logger.warning("matplotlib is not installed: layer_errors.png will be skipped (pip install matplotlib); the table is still written")
+        return False
+    return True
+
+
+def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
     total = _Timer()
     model, tok, kind = load_model(cfg.model)
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": asdict(cfg), "rows": [], "stages": {}}
@@ -250,11 +274,15 @@ def _run(cfg: ConversionConfig, tmp: Path) -> dict:
     metrics = report.pop("_metrics")
     from ...hub.export import export
 
-    export(model, tmp, base_model=cfg.model if not os.path.exists(cfg.model) else None, metrics=metrics, repo_id=cfg.push_to_hub, overwrite=True)
-    tok.save_pretrained(tmp)
+    local = os.path.exists(cfg.model)
+    export(
+        model, tmp, base_model=cfg.base_model or (None if local else cfg.model), metrics=metrics, repo_id=cfg.push_to_hub,
+        overwrite=True, tokenizer=tok, source_dir=cfg.model if os.path.isdir(cfg.model) else None,
+    )
     if errors:
         (tmp / "layer_errors.md").write_text(calibration.error_table(errors) + "\n", encoding="utf-8")
-        calibration.plot_errors(errors, str(tmp / "layer_errors.png"), title=f"{cfg.model}: attention-output error vs softmax")
+        if plot:
+            calibration.plot_errors(errors, str(tmp / "layer_errors.png"), title=f"{cfg.model}: attention-output error vs softmax")
         report["layer_errors"] = {k: [asdict(e) for e in v] for k, v in errors.items()}
     report["minutes_total"] = total.minutes()
     (tmp / "RESULTS.md").write_text(_rows_markdown(report["rows"]) + "\n", encoding="utf-8")

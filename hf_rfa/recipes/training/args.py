@@ -13,6 +13,9 @@ from ...config import RFAConfig
 TASKS = ("causal-lm", "classification")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
+#: local train/validation file suffixes (read by hf_rfa.recipes.data_files.load_local)
+TRAIN_FILE_SUFFIXES = (".txt", ".csv", ".tsv", ".json", ".jsonl", ".parquet")
+
 
 def _positive(obj, *names: str, minimum: float = 1) -> None:
     for name in names:
@@ -87,10 +90,10 @@ class DataArguments:
     task: str = field(default="causal-lm", metadata={"help": f"one of {TASKS}"})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (e.g. wikitext, sst2)"})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration (e.g. wikitext-2-raw-v1)"})
-    train_file: str | None = field(default=None, metadata={"help": "training file: .txt (causal-lm), .csv/.json/.jsonl"})
+    train_file: str | None = field(default=None, metadata={"help": "training file: .txt (causal-lm), .csv/.tsv/.json/.jsonl/.parquet (read with datasets.load_dataset)"})
     validation_file: str | None = field(default=None, metadata={"help": "evaluation file, same format as train_file"})
     validation_split: str = field(default="validation", metadata={"help": "Hub dataset split used for evaluation (falls back to 'test')"})
-    validation_split_percentage: int = field(default=0, metadata={"help": "carve this % of train for evaluation when no validation data is given"})
+    validation_split_percentage: int = field(default=0, metadata={"help": "carve this percentage of train for evaluation when no validation data is given"})
     text_column: str | None = field(default=None, metadata={"help": "text column (default: 'text', 'sentence' or the first string column)"})
     label_column: str = field(default="label", metadata={"help": "label column (classification)"})
     max_seq_length: int = field(default=128, metadata={"help": "classification: truncate to this many tokens; causal-lm: block size"})
@@ -105,8 +108,8 @@ class DataArguments:
             raise ValueError("dataset_name or train_file must be set")
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
-            if path is not None and not path.endswith((".txt", ".csv", ".json", ".jsonl")):
-                raise ValueError(f"{name} must be a .txt, .csv, .json or .jsonl file, got {path!r}")
+            if path is not None and not path.endswith(TRAIN_FILE_SUFFIXES):
+                raise ValueError(f"{name} must be a {', '.join(TRAIN_FILE_SUFFIXES)} file, got {path!r}")
         if not 0 <= self.validation_split_percentage < 100:
             raise ValueError(f"validation_split_percentage must be in [0, 100), got {self.validation_split_percentage!r}")
         _positive(self, "max_seq_length", "max_train_samples", "max_eval_samples")

@@ -1,7 +1,7 @@
 """Data for the recipes: load text / CSV / JSON files or a Hub dataset, tokenise, batch.
 
-Local files are read into in-memory ``datasets.Dataset`` objects (no Arrow cache, so several
-processes can prepare them at once); Hub datasets go through ``datasets.load_dataset``.
+Local files (CSV/TSV, JSON/JSON lines, Parquet, text) and Hub datasets both go through
+``datasets.load_dataset`` (:mod:`hf_rfa.recipes.data_files`).
 
 * ``causal-lm``: documents are tokenised, concatenated and cut into blocks of
   ``max_seq_length`` tokens (``labels = input_ids``), as in transformers' ``run_clm.py``.
@@ -12,8 +12,6 @@ processes can prepare them at once); Hub datasets go through ``datasets.load_dat
 
 from __future__ import annotations
 
-import csv
-import json
 import logging
 import os
 import re
@@ -24,6 +22,7 @@ from typing import Any, ContextManager
 
 from datasets import Dataset, DatasetDict
 
+from ..data_files import builder_of, load_local
 from .args import DataArguments
 
 logger = logging.getLogger(__name__)
@@ -39,37 +38,14 @@ class PreparedData:
     collator: Any
 
 
-def read_text_documents(path: str) -> list[str]:
-    """Documents of a UTF-8 text file: blocks separated by one or more blank lines."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
-
-
-def read_records(path: str) -> list[dict[str, Any]]:
-    """Rows of a CSV (header line), JSON (list of objects) or JSON-lines file."""
-    if path.endswith(".csv"):
-        with open(path, encoding="utf-8", newline="") as f:
-            return list(csv.DictReader(f))
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        obj = json.load(f)
-    if isinstance(obj, dict) and "data" in obj:
-        obj = obj["data"]
-    if not isinstance(obj, list):
-        raise ValueError(f"train_file/validation_file {path}: expected a JSON list of objects (or {{'data': [...]}})")
-    return obj
-
-
 def _read_file(path: str, task: str) -> Dataset:
-    if not os.path.isfile(path):
-        raise ValueError(f"train_file/validation_file {path!r} does not exist")
-    if path.endswith(".txt"):
+    """A local train/validation file through ``datasets.load_dataset`` (:func:`hf_rfa.recipes.data_files.load_local`)."""
+    if builder_of(path) == "text":
         if task != "causal-lm":
-            raise ValueError(f"a .txt file ({path}) is only valid for task='causal-lm'; use CSV/JSON for classification")
-        return Dataset.from_dict({"text": read_text_documents(path)})
-    return Dataset.from_list(read_records(path))
+            raise ValueError(f"a text file ({path}) is only valid for task='causal-lm'; use CSV/JSON/Parquet for classification")
+        ds = load_local(path, sample_by="paragraph", what="train_file/validation_file")
+        return ds.map(lambda b: {"text": [t.strip() for t in b["text"]]}, batched=True).filter(lambda b: [bool(t) for t in b["text"]], batched=True)
+    return load_local(path, what="train_file/validation_file")
 
 
 def load_raw(args: DataArguments) -> DatasetDict:

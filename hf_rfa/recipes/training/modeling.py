@@ -19,6 +19,7 @@ from torch import nn
 
 from ...config import CONFIG_ATTR
 from ...hf.convert import convert, from_pretrained, rfa_config_of
+from ...hf.loading import write_adapter_rfa_config
 from ...feature_maps import FeatureMap
 from .peft_utils import lora_config
 from .args import ModelArguments, RFAArguments
@@ -141,6 +142,8 @@ def save_final(model: nn.Module, tokenizer, output_dir: str, state_dict: dict | 
 
     if isinstance(model, PeftModel):
         model.save_pretrained(os.path.join(output_dir, "adapter"), state_dict=state_dict, is_main_process=is_main_process)
+        if is_main_process:  # lets the stock AutoPeftModelFor*.from_pretrained convert an original base
+            write_adapter_rfa_config(model.get_base_model(), os.path.join(output_dir, "adapter"))
         if state_dict is not None:
             logger.warning("sharded run: saved only the LoRA adapter in %s/adapter (merge it on one process)", output_dir)
             return model

@@ -65,11 +65,18 @@ def native_enabled() -> bool:
     return _STATE["enabled"]
 
 
+#: compiler and linker flags of the build (part of the build key)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
 def _build_name() -> str:
-    """Extension name keyed on the source, the PyTorch version and the CPU (built with
-    ``-march=native``: a cache shared between different CPUs must not reuse a binary)."""
+    """Extension name keyed on the source, the PyTorch version, the flags and the CPU (built with
+    ``-march=native``: a cache shared between different CPUs must not reuse a binary). Identical
+    sources share one build whichever checkout they come from; different ones coexist."""
     h = hashlib.sha256(_SOURCE.read_bytes())
     h.update(torch.__version__.encode())
+    h.update(" ".join(CFLAGS + ("|",) + LDFLAGS).encode())
     h.update(platform.machine().encode())
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(("flags", "Features"))), "")
@@ -120,12 +127,28 @@ def _clear_stale_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _staged_source(name: str) -> Path:
+    """The source copied into the build folder: the build then names the same path from every
+    checkout, so torch/ninja see no change and never rebuild when another checkout loads it."""
+    staged = compat.extension_build_dir(name) / _SOURCE.name
+    data = _SOURCE.read_bytes()
+    if not staged.is_file() or staged.read_bytes() != data:
+        tmp = staged.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, staged)
+    return staged
+
+
 def load(verbose: bool = False):
     """The compiled module (built on first call), or None when it cannot be built or used here."""
     if _STATE["module"] is not None or _STATE["failed"] is not None:
         return _STATE["module"]
     with _LOCK:
         if _STATE["module"] is None and _STATE["failed"] is None:
+            if not _SOURCE.is_file():  # e.g. the remote code of an export: no C++ source shipped
+                _STATE["failed"] = f"{_SOURCE.name} not present"
+                logger.debug("hf_rfa: %s not present; using the PyTorch path", _SOURCE.name)
+                return None
             try:
                 from torch.utils.cpp_extension import load as _load
 
@@ -136,9 +159,9 @@ def load(verbose: bool = False):
                 logger.info("hf_rfa: building the native CPU kernel %s (once, about a minute)", name)
                 mod = _load(
                     name=name,
-                    sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
+                    sources=[str(_staged_source(name))],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
                     verbose=verbose,
                 )
                 if not mod.available():
