@@ -22,7 +22,7 @@ import shlex
 _FLAGS = [
     "feature_map", "num_features", "window", "sinks", "transfer_tokens", "transfer_minutes", "lora_tokens", "lora_minutes",
     "calibration_text", "train_text", "eval_text", "context", "lora_context", "eval_tokens", "error_tokens", "eval_sentences",
-    "random_num_features", "transfer_queries", "transfer_lr", "lora_lr", "eval_twin_max", "seed",
+    "random_num_features", "transfer_queries", "transfer_lr", "lora_lr", "eval_twin_max", "seed", "copy_draws", "passkey_trials",
 ]
 
 
@@ -34,7 +34,10 @@ def command_of(cfg: dict) -> str:
         if v is not None:
             parts += [f"--{k.replace('_', '-')}", str(v)]
     parts += ["--eval-contexts", *map(str, cfg["eval_contexts"])]
-    for flag, key in (("--no-hybrid-mix", "hybrid_mix"), ("--no-baselines", "baselines"), ("--no-random-hybrid", "random_hybrid")):
+    for k in ("copy_gaps", "passkey_lengths"):
+        if cfg.get(k):
+            parts += [f"--{k.replace('_', '-')}", *map(str, cfg[k])]
+    for flag, key in (("--no-hybrid-mix", "hybrid_mix"), ("--no-baselines", "baselines"), ("--no-random-hybrid", "random_hybrid"), ("--no-window-only-baseline", "window_only_baseline")):
         if cfg.get(key) is False:
             parts.append(flag)
     if cfg.get("learnable_projections"):
