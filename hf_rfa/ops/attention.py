@@ -13,7 +13,7 @@ from . import native
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
-from .masks import NEG, exp_floor, key_mask_bool, needs_grad, sink_mask, sink_positions, validate_qkv
+from .masks import NEG, exp_floor, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -24,6 +24,7 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
     return value
 
 
+@no_autocast
 def random_feature_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
+from .masks import NEG, key_mask_bool, no_autocast, sink_mask, validate_qkv
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -31,6 +31,7 @@ def _exact_region(nq: int, nk: int, causal: bool, window: int, device) -> torch.
     return ((s <= t) & (s > t - window)) if causal else ((s - t).abs() < window)
 
 
+@no_autocast
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,6 +64,7 @@ def softmax_attention(
     return (p @ vv).to(q.dtype)
 
 
+@no_autocast
 def quadratic_kernel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
