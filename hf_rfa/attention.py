@@ -35,7 +35,7 @@ class RFAAttention(nn.Module):
     PEFT's ``modules_to_save`` may wrap it, which is why the attention function *calls* it.
     """
 
-    def __init__(self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0, checkpoint_blocks: bool = False) -> None:
+    def __init__(self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0, checkpoint_blocks: bool = True) -> None:
         super().__init__()
         self.feature_map = feature_map
         self.window = int(window)

@@ -36,7 +36,7 @@ def random_feature_attention(
     sinks: int = 0,
     scale: float | None = None,
     chunk_size: int = 64,
-    checkpoint_blocks: bool = False,
+    checkpoint_blocks: bool = True,
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -52,9 +52,11 @@ def random_feature_attention(
         sinks: the first S real (non-padded) tokens also get exact softmax weights.
         scale: logit scale, default ``D ** -0.5``.
         chunk_size: chunk length of the causal chunkwise-parallel form.
-        checkpoint_blocks: training memory: for the pure causal path (``window == 0``) keep only
-            each 512-token block's inputs and recompute its features in backward
-            (activation memory O(N·D) instead of O(N·m); ~one extra forward of compute).
+        checkpoint_blocks: training memory (default on): the causal feature scan and the exact
+            band/sinks of a hybrid keep only their inputs (and the scan's state per 512-token
+            block) and recompute each block in backward (:mod:`hf_rfa.ops.recompute`):
+            activation memory O(N·D) instead of O(N·(m + W)); ~one extra forward of compute.
+            False: the autograd forms (everything saved).
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
@@ -127,7 +129,7 @@ def random_feature_attention(
         num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
         parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
     elif window > 0 or sinks > 0:
-        parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
+        parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size, recompute=checkpoint_blocks))
     if window < n:
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place
