@@ -31,8 +31,8 @@ class RFAConfig:
     layers: list[int] | None = field(default=None, metadata={"help": "indices of layers to convert (None: all)"})
     chunk_size: int = field(default=64, metadata={"help": "chunk length of the causal chunkwise-parallel form"})
     checkpoint_blocks: bool = field(
-        default=False,
-        metadata={"help": "training: recompute each 512-token block of pure causal layers (window=0) in backward; activation memory O(N·D) instead of O(N·m)"},
+        default=True,
+        metadata={"help": "training: the causal feature scan and the hybrid's exact band keep only their inputs and recompute each block in backward; activation memory O(N·D) instead of O(N·(m + W)). False: plain autograd (faster at short N)"},
     )
     backend: str = field(default="auto", metadata={"help": f"implementation of each attention call, one of {list(backend_names())} (hf_rfa.ops.backends)"})
     feature_map_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra options of the map"})

@@ -37,7 +37,7 @@ class RFAAttention(nn.Module):
 
     def __init__(
         self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
-        checkpoint_blocks: bool = False, backend: str = "auto",
+        checkpoint_blocks: bool = True, backend: str = "auto",
     ) -> None:
         super().__init__()
         self.feature_map = feature_map

@@ -17,7 +17,7 @@ from .backends import kernels, native, resolve
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
-from .masks import NEG, exp_floor, key_mask_bool, needs_grad, sink_mask, sink_positions, validate_qkv
+from .masks import NEG, exp_floor, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -32,6 +32,7 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
     return value
 
 
+@no_autocast
 def random_feature_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -43,7 +44,7 @@ def random_feature_attention(
     sinks: int = 0,
     scale: float | None = None,
     chunk_size: int = 64,
-    checkpoint_blocks: bool = False,
+    checkpoint_blocks: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
@@ -60,9 +61,11 @@ def random_feature_attention(
         sinks: the first S real (non-padded) tokens also get exact softmax weights.
         scale: logit scale, default ``D ** -0.5``.
         chunk_size: chunk length of the causal chunkwise-parallel form.
-        checkpoint_blocks: training memory: for the pure causal path (``window == 0``) keep only
-            each 512-token block's inputs and recompute its features in backward
-            (activation memory O(N·D) instead of O(N·m); ~one extra forward of compute).
+        checkpoint_blocks: training memory (default on): the causal feature scan and the exact
+            band/sinks of a hybrid keep only their inputs (and the scan's state per 512-token
+            block) and recompute each block in backward (:mod:`hf_rfa.ops.recompute`):
+            activation memory O(N·D) instead of O(N·(m + W)); ~one extra forward of compute.
+            False: the autograd forms (everything saved).
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
             ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
@@ -160,7 +163,7 @@ def _attention(q, k, v, feature_map, causal, attention_mask, window, sinks, scal
         num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
         parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
     elif window > 0 or sinks > 0:
-        parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size))
+        parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size, recompute=checkpoint_blocks))
     if window < n and not null:
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .linear import causal_feature_attention
-from .masks import NEG
+from .masks import NEG, no_autocast
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
 
@@ -166,6 +166,7 @@ def _exact_part(
     return Partial(torch.cat(nums, dim=-2), torch.cat(dens, dim=-1), torch.cat(lss, dim=-1))
 
 
+@no_autocast
 def continue_attention(
     state: DecodeState,
     q: torch.Tensor,

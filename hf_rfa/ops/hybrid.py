@@ -9,6 +9,8 @@ is O(N·(C + W + S)), never N×N (unless W ≥ N, which is then exactly softmax)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .masks import NEG, exp_floor, needs_grad, sink_positions
@@ -21,6 +23,135 @@ def _gather_keys(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 2, idx)
 
 
+@dataclass
+class BandPlan:
+    """The exact part's layout (see :func:`exact_local`): query chunks of ``c`` tokens, ``nch`` of
+    them, ``lpb`` per block; each chunk sees ``kw = c + left + right`` band keys of the padded
+    key tensor (padded by ``left`` in front, to ``npad + right`` behind)."""
+
+    b: int
+    hkv: int
+    g: int
+    n: int
+    c: int
+    nch: int
+    lpb: int
+    left: int
+    right: int
+    window: int
+    sinks: int
+    causal: bool
+    key_mask: torch.Tensor  # [B, N] bool
+    band: torch.Tensor | None  # [C, Kw] bool: key j of a chunk's band visible to its query i
+    spos: torch.Tensor | None  # [B, S] sink positions
+    sexists: torch.Tensor | None  # [B, S]
+
+    @property
+    def npad(self) -> int:
+        return self.nch * self.c
+
+    @property
+    def kw(self) -> int:
+        return self.c + self.left + self.right
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """Query chunk ranges ``[c0, c1)`` of the blocks."""
+        return [(c0, min(self.nch, c0 + self.lpb)) for c0 in range(0, self.nch, self.lpb)]
+
+    def pad_queries(self, xq: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(xq, (0, 0, 0, self.npad - self.n))
+
+    def pad_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, N, ·]`` → ``[B, Hkv, left + npad + right, ·]``."""
+        return torch.nn.functional.pad(x, (0, 0, self.left, self.npad + self.right - self.n))
+
+
+def band_plan(xq: torch.Tensor, key_mask: torch.Tensor | None, window: int, sinks: int, causal: bool, chunk_size: int = 64, block_size: int = 512) -> BandPlan:
+    """Layout of the exact part for queries ``xq [B, Hkv, G, N, D]``."""
+    b, hkv, g, n, _ = xq.shape
+    dev = xq.device
+    c = max(1, min(chunk_size, n))
+    left = min(window, n) - 1 if window > 0 else 0
+    right = 0 if causal or window <= 0 else min(window, n) - 1
+    real = key_mask if key_mask is not None else torch.ones(b, n, dtype=torch.bool, device=dev)
+    band = None
+    if window > 0:
+        i_q = torch.arange(c, device=dev).view(-1, 1)
+        j_k = torch.arange(c + left + right, device=dev).view(1, -1)
+        # query a+i, key a−left+j: band s ≤ t (causal) / s < t+W, and s > t−W
+        band = (j_k >= i_q) & (j_k <= i_q + left + right) if not causal else (j_k >= i_q) & (j_k <= i_q + left)
+    spos = sexists = None
+    if sinks > 0:
+        spos, sexists = sink_positions(key_mask, b, n, sinks, dev)  # [B,S]
+    return BandPlan(b, hkv, g, n, c, -(-n // c), max(1, block_size // c), left, right, window, sinks, causal, real, band, spos, sexists)
+
+
+def gather_sinks(x: torch.Tensor, plan: BandPlan) -> torch.Tensor | None:
+    """The sink tokens' keys or values ``[B, Hkv, S, ·]`` (None without sinks)."""
+    return _gather_keys(x, plan.spos) if plan.sinks > 0 else None
+
+
+def band_block(
+    plan: BandPlan,
+    c0: int,
+    c1: int,
+    qb: torch.Tensor,
+    kb: torch.Tensor | None,
+    vb: torch.Tensor | None,
+    ks: torch.Tensor | None,
+    vs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact part of the query chunks ``[c0, c1)``: qb ``[B, Hkv, G, T, D]`` (T = (c1−c0)·C padded
+    queries), kb/vb ``[B, Hkv, T + left + right, ·]`` the padded keys/values of their bands (None
+    without a window), ks/vs the sinks' keys/values. Returns ``(num [B,Hkv,G,T,Dv], den, r
+    [B,Hkv,G,T])`` with r the row's max exact score (detached). Autograd form when any input
+    needs a gradient, else one buffer in place."""
+    b, hkv, g, c = plan.b, plan.hkv, plan.g, plan.c
+    L = c1 - c0
+    dev, d = qb.device, qb.shape[-1]
+    floor = exp_floor(qb.dtype)
+    grad = needs_grad(qb, kb, vb, ks, vs)
+    qb = qb.reshape(b, hkv, g, L, c, d)
+    kw = plan.kw
+    parts_s, parts_ok, vals = [], [], []
+    if plan.window > 0:
+        span = slice(c0 * c, c1 * c + plan.left + plan.right)
+        kbu = kb.unfold(2, kw, c)  # [B,Hkv,L,D,Kw]
+        vbu = vb.unfold(2, kw, c)  # [B,Hkv,L,Dv,Kw]
+        mp = torch.nn.functional.pad(plan.key_mask, (plan.left, plan.npad + plan.right - plan.n), value=False)
+        mb = mp[:, span].unfold(1, kw, c)  # [B,L,Kw]
+        parts_s.append(qb @ kbu.unsqueeze(2))  # [B,Hkv,G,L,C,Kw]
+        parts_ok.append((plan.band & mb.unsqueeze(-2))[:, None, None])  # [B,1,1,L,C,Kw]
+        vals.append(vbu.transpose(-1, -2).unsqueeze(2))  # [B,Hkv,1,L,Kw,Dv]
+    if plan.sinks > 0:
+        sinks, window, dv = plan.sinks, plan.window, vs.shape[-1]
+        tt = torch.arange(c0 * c, c1 * c, device=dev).view(1, L, c, 1)
+        sp = plan.spos[:, None, None, :]  # [B,1,1,S]
+        ok = plan.sexists[:, None, None, :].expand(b, L, c, sinks)
+        if plan.causal:
+            ok = ok & (sp <= tt)
+        if window > 0:
+            in_band = ((sp <= tt) & (sp > tt - window)) if plan.causal else ((sp - tt).abs() < window)
+            ok = ok & ~in_band
+        parts_s.append(qb @ ks[:, :, None, None].transpose(-1, -2))  # [B,Hkv,G,L,C,S]
+        parts_ok.append(ok[:, None, None])
+        vals.append(vs[:, :, None, None].expand(b, hkv, 1, L, sinks, dv))
+    scores = torch.cat(parts_s, dim=-1) if len(parts_s) > 1 else parts_s[0]
+    drop = ~(torch.cat([o.expand(*o.shape[:3], L, c, o.shape[-1]) for o in parts_ok], dim=-1) if len(parts_ok) > 1 else parts_ok[0])
+    vcat = torch.cat(vals, dim=-2) if len(vals) > 1 else vals[0]  # [B,Hkv,1,L,K,Dv]
+    # exponents clamped to [floor, 0] before the exp, masked entries zeroed after it: exp of
+    # NEG or of denormal-producing exponents takes the CPU's slow path (7–60× slower)
+    if grad:
+        r = scores.masked_fill(drop, NEG).amax(-1).detach()  # [B,Hkv,G,L,C]
+        p = torch.exp((scores - r.unsqueeze(-1)).clamp(floor, 0.0)).masked_fill(drop, 0.0)
+    else:  # one buffer, in place
+        p = scores.masked_fill(drop, NEG)
+        r = p.amax(-1)
+        p.sub_(r.unsqueeze(-1)).clamp_(floor, 0.0).exp_().masked_fill_(drop, 0.0)
+    dv = vcat.shape[-1]
+    return (p @ vcat).reshape(b, hkv, g, L * c, dv), p.sum(-1).reshape(b, hkv, g, L * c), r.reshape(b, hkv, g, L * c)
+
+
 def exact_local(
     xq: torch.Tensor,
     xk: torch.Tensor,
@@ -31,6 +162,7 @@ def exact_local(
     causal: bool,
     chunk_size: int = 64,
     block_size: int = 512,
+    recompute: bool = False,
 ) -> Partial:
     """Exact part of the hybrid.
 
@@ -41,72 +173,34 @@ def exact_local(
     Queries go in chunks of C = ``chunk_size``; chunk i sees the key band ``[iC − left, iC + C +
     right)`` (left = W−1, right = 0 causal / W−1 bidirectional), taken from the padded keys with
     ``unfold`` (no copy); all chunks of a block of ``block_size`` queries are one batched matmul.
+    ``recompute``: with autograd, keep only the inputs and recompute each block's probabilities
+    in backward (:mod:`hf_rfa.ops.recompute`; O(N·D) saved instead of O(N·(C+W+S)) per head).
     """
-    b, hkv, g, n, d = xq.shape
-    dev, dv = xq.device, v.shape[-1]
-    floor = exp_floor(xq.dtype)
-    grad = needs_grad(xq, xk, v)
-    c = max(1, min(chunk_size, n))
-    nch = -(-n // c)
-    npad = nch * c  # queries padded to whole chunks
-    left = min(window, n) - 1 if window > 0 else 0
-    right = 0 if causal or window <= 0 else min(window, n) - 1
-    kw = c + left + right  # keys per chunk band
-    real = key_mask if key_mask is not None else torch.ones(b, n, dtype=torch.bool, device=dev)
-    if window > 0:
-        # keys/values/mask padded by `left` in front and up to the band end behind
-        back = npad + right - n
-        kp = torch.nn.functional.pad(xk, (0, 0, left, back))
-        vp = torch.nn.functional.pad(v, (0, 0, left, back))
-        mp = torch.nn.functional.pad(real, (left, back), value=False)
-        i_q = torch.arange(c, device=dev).view(-1, 1)
-        j_k = torch.arange(kw, device=dev).view(1, -1)
-        # query a+i, key a−left+j: band s ≤ t (causal) / s < t+W, and s > t−W
-        band = (j_k >= i_q) & (j_k <= i_q + left + right) if not causal else (j_k >= i_q) & (j_k <= i_q + left)
-    if sinks > 0:
-        spos, sexists = sink_positions(key_mask, b, n, sinks, dev)  # [B,S]
-        ks, vs = _gather_keys(xk, spos), _gather_keys(v, spos)
-    xq = torch.nn.functional.pad(xq, (0, 0, 0, npad - n))
-    lpb = max(1, block_size // c)  # chunks per block
+    plan = band_plan(xq, key_mask, window, sinks, causal, chunk_size, block_size)
+    if recompute and needs_grad(xq, xk, v):
+        from .recompute import BandFunction
+
+        num, den, ls = BandFunction.apply(plan, xq, xk, v)
+        return Partial(num, den, ls)
+    return Partial(*band_forward(plan, xq, xk, v))
+
+
+def band_forward(plan: BandPlan, xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All blocks of the exact part → ``(num [B,Hkv,G,N,Dv], den, ls [B,Hkv,G,N])``."""
+    c, n = plan.c, plan.n
+    xqp = plan.pad_queries(xq)
+    kp = vp = None
+    if plan.window > 0:
+        kp, vp = plan.pad_keys(xk), plan.pad_keys(v)
+    ks, vs = gather_sinks(xk, plan), gather_sinks(v, plan)
     nums, dens, lss = [], [], []
-    for c0 in range(0, nch, lpb):
-        c1 = min(nch, c0 + lpb)
-        L = c1 - c0
-        qb = xq[:, :, :, c0 * c : c1 * c].reshape(b, hkv, g, L, c, d)
-        parts_s, parts_ok, vals = [], [], []
-        if window > 0:
-            kb = kp[:, :, c0 * c : c1 * c + left + right].unfold(2, kw, c)  # [B,Hkv,L,D,Kw]
-            vb = vp[:, :, c0 * c : c1 * c + left + right].unfold(2, kw, c)  # [B,Hkv,L,Dv,Kw]
-            mb = mp[:, c0 * c : c1 * c + left + right].unfold(1, kw, c)  # [B,L,Kw]
-            parts_s.append(qb @ kb.unsqueeze(2))  # [B,Hkv,G,L,C,Kw]
-            parts_ok.append((band & mb.unsqueeze(-2))[:, None, None])  # [B,1,1,L,C,Kw]
-            vals.append(vb.transpose(-1, -2).unsqueeze(2))  # [B,Hkv,1,L,Kw,Dv]
-        if sinks > 0:
-            tt = torch.arange(c0 * c, c1 * c, device=dev).view(1, L, c, 1)
-            sp = spos[:, None, None, :]  # [B,1,1,S]
-            ok = sexists[:, None, None, :].expand(b, L, c, sinks)
-            if causal:
-                ok = ok & (sp <= tt)
-            if window > 0:
-                in_band = ((sp <= tt) & (sp > tt - window)) if causal else ((sp - tt).abs() < window)
-                ok = ok & ~in_band
-            parts_s.append(qb @ ks[:, :, None, None].transpose(-1, -2))  # [B,Hkv,G,L,C,S]
-            parts_ok.append(ok[:, None, None])
-            vals.append(vs[:, :, None, None].expand(b, hkv, 1, L, sinks, dv))
-        scores = torch.cat(parts_s, dim=-1) if len(parts_s) > 1 else parts_s[0]
-        drop = ~(torch.cat([o.expand(*o.shape[:3], L, c, o.shape[-1]) for o in parts_ok], dim=-1) if len(parts_ok) > 1 else parts_ok[0])
-        vcat = torch.cat(vals, dim=-2) if len(vals) > 1 else vals[0]  # [B,Hkv,1,L,K,Dv]
-        # exponents clamped to [floor, 0] before the exp, masked entries zeroed after it: exp of
-        # NEG or of denormal-producing exponents takes the CPU's slow path (7–60× slower)
-        if grad:
-            r = scores.masked_fill(drop, NEG).amax(-1).detach()  # [B,Hkv,G,L,C]
-            p = torch.exp((scores - r.unsqueeze(-1)).clamp(floor, 0.0)).masked_fill(drop, 0.0)
-        else:  # one buffer, in place
-            p = scores.masked_fill(drop, NEG)
-            r = p.amax(-1)
-            p.sub_(r.unsqueeze(-1)).clamp_(floor, 0.0).exp_().masked_fill_(drop, 0.0)
-        nums.append((p @ vcat).reshape(b, hkv, g, L * c, dv))
-        dens.append(p.sum(-1).reshape(b, hkv, g, L * c))
-        lss.append(r.reshape(b, hkv, g, L * c))
+    for c0, c1 in plan.blocks():
+        span = slice(c0 * c, c1 * c + plan.left + plan.right)
+        kb = kp[:, :, span] if kp is not None else None
+        vb = vp[:, :, span] if vp is not None else None
+        num, den, r = band_block(plan, c0, c1, xqp[:, :, :, c0 * c : c1 * c], kb, vb, ks, vs)
+        nums.append(num)
+        dens.append(den)
+        lss.append(r)
     num, den, ls = (torch.cat(x, dim=-2 if x is nums else -1) if len(x) > 1 else x[0] for x in (nums, dens, lss))
-    return Partial(num[..., :n, :], den[..., :n], ls[..., :n])
+    return num[..., :n, :], den[..., :n], ls[..., :n]

@@ -26,10 +26,10 @@ tensors are never materialised (cache-resident blocks, O(N·Dv) extra memory in 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.utils.checkpoint
 
 from .backends import kernels, native, resolve
 from .backends.causal_infer import BlockWorkspace, causal_block_into, workspace
@@ -184,7 +184,6 @@ def _causal_scan(
     infer: bool = False,
     dest: torch.Tensor | None = None,
     eps: float = 0.0,
-    checkpoint: bool = False,
 ) -> tuple[Partial | None, LinearState]:
     """Run the block step over the blocks of ``plan``; ``get(i, ws)`` returns block i's
     ``(qf, lq, kf, lk, v)`` (and may write its features into the workspace ``ws`` when one is
@@ -192,8 +191,8 @@ def _causal_scan(
     autograd graph is needed — full blocks then run :func:`causal_block_into` on one reused
     workspace (unless the compiled kernels are enabled). ``dest [B,Hkv,G,N,Dv]``: write the
     normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial.
-    ``checkpoint``: with autograd, recompute each block's features and products in backward
-    instead of saving them (activation memory O(N·(D + Dv)) instead of O(N·F) per layer)."""
+    (Training memory: :class:`hf_rfa.ops.recompute.ScanFunction` runs these blocks and
+    recomputes them in backward instead.)"""
     if infer and not kernels.wanted() and not torch.compiler.is_compiling():
         with torch.no_grad():
             return _causal_scan_into(get, plan, state, scaled, g, dest, eps)
@@ -210,11 +209,7 @@ def _causal_scan(
         return (*step(qf, lq, kf, lk, v, S, ref, c), lq)
 
     for i, (t, c) in enumerate(plan):
-        if checkpoint and torch.is_grad_enabled():
-            # keep only the block's inputs; features and tiles are recomputed in backward
-            out, ls, S, ref, lq = torch.utils.checkpoint.checkpoint(block, i, c, S, ref, use_reentrant=False)
-        else:
-            out, ls, S, ref, lq = block(i, c, S, ref)
+        out, ls, S, ref, lq = block(i, c, S, ref)
         outs.append(out)
         lss.append(ls)
         lqs.append(lq)
@@ -351,8 +346,9 @@ def causal_feature_attention(
     features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
     masking, and calling :func:`causal_linear`, but never holds ``[N, F]`` features. Requires a
-    per-token feature map (every map in this package is). ``checkpoint``: with autograd, save
-    only each block's inputs and recompute its features and products in backward. ``backend``:
+    per-token feature map (every map in this package is). ``checkpoint``: with autograd (and a
+    state that needs no gradient), save only the inputs and each block's incoming state, and
+    recompute the block's features and products in backward (:mod:`hf_rfa.ops.recompute`). ``backend``:
     the one :func:`hf_rfa.ops.backends.resolve` chose (None: ``"auto"`` for these inputs).
     """
     b, h, n, _ = xq.shape
@@ -384,16 +380,27 @@ def causal_feature_attention(
     xqs, xks, vs = _split(xq, sizes, 2), _split(xk, sizes, 2), _split(v, sizes, 2)
     kms, lqas, lkas = _split(key_mask, sizes, 1), _split(lq_add, sizes, -1), _split(lk_add, sizes, -1)
 
+    if checkpoint and not infer and not needs_grad(*st_t):
+        from .recompute import ScanFunction
+
+        S0, ref0 = _state_matrix(state, scaled)
+        spec = ScanSpec(feature_map, plan, x_scale, scaled, g, ct)
+        grads = tuple(p for p in params if p.requires_grad)
+        o, ls, S, ref = ScanFunction.apply(spec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *grads)
+        part, st = Partial(o[..., :dv], o[..., dv], ls), LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+        if out is None:
+            return part, st
+        out.copy_(finalize(part, feature_map.eps))
+        return None, st
+
     def get(i: int, ws: BlockWorkspace | None) -> _Block:
         t = sizes[i]
         xqb, xkb = xqs[i], xks[i]
         if ws is None:
-            if x_scale != 1.0:  # (in the compute dtype: bf16/fp16 inputs are not rounded again)
-                xqb, xkb = xqb.to(ct) * x_scale, xkb.to(ct) * x_scale
-            fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
-        else:  # inference: features straight into the workspace (the map applies x_scale)
-            fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
-            fk = feature_map.features_into(xkb, ws.k, False, x_scale)
+            return block_features(feature_map, xqb, xkb, vs[i], kms[i], lqas[i], lkas[i], x_scale, ct, hkv)
+        # inference: features straight into the workspace (the map applies x_scale)
+        fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
+        fk = feature_map.features_into(xkb, ws.k, False, x_scale)
         qf = fq.phi.reshape(b, hkv, g, t, -1)
         lq = fq.log_scale.reshape(b, hkv, g, t) if fq.log_scale is not None else None
         kf, lk = fk.phi, fk.log_scale
@@ -403,12 +410,46 @@ def causal_feature_attention(
             lk = lkas[i] if lk is None else lk + lkas[i]
         if kms[i] is not None:
             km = kms[i][:, None]
-            kf = kf.mul_(km.unsqueeze(-1)) if ws is not None else kf * km.unsqueeze(-1)
+            kf = kf.mul_(km.unsqueeze(-1))
             if lk is not None:
                 lk = torch.where(km, lk, torch.full_like(lk, NEG))
         return qf, lq, kf, lk, vs[i]
 
-    return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps, checkpoint)
+    return _causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps)
+
+
+@dataclass
+class ScanSpec:
+    """What the recomputing scan (:class:`hf_rfa.ops.recompute.ScanFunction`) needs besides tensors."""
+
+    feature_map: object
+    plan: list[tuple[int, int]]
+    x_scale: float
+    scaled: bool
+    g: int
+    ct: torch.dtype
+
+
+def block_features(feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, ct: torch.dtype, hkv: int) -> _Block:
+    """One block's ``(qf [B,Hkv,G,T,F], lq, kf [B,Hkv,T,F], lk, v)`` from raw ``xqb [B,H,T,D]``,
+    ``xkb [B,Hkv,T,D]``, ``vb``, key mask ``kmb [B,T]``, gate offsets ``lqab``/``lkab`` (autograd form)."""
+    b, h, t, _ = xqb.shape
+    if x_scale != 1.0:  # (in the compute dtype: bf16/fp16 inputs are not rounded again)
+        xqb, xkb = xqb.to(ct) * x_scale, xkb.to(ct) * x_scale
+    fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
+    qf = fq.phi.reshape(b, hkv, h // hkv, t, -1)
+    lq = fq.log_scale.reshape(b, hkv, h // hkv, t) if fq.log_scale is not None else None
+    kf, lk = fk.phi, fk.log_scale
+    if lqab is not None:
+        lq = lqab if lq is None else lq + lqab
+    if lkab is not None:
+        lk = lkab if lk is None else lk + lkab
+    if kmb is not None:
+        km = kmb[:, None]
+        kf = kf * km.unsqueeze(-1)
+        if lk is not None:
+            lk = torch.where(km, lk, torch.full_like(lk, NEG))
+    return qf, lq, kf, lk, vb
 
 
 def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:

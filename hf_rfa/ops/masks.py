@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,6 +15,23 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether an autograd graph would be recorded through any of ``tensors`` (None ignored):
     the one test that picks between the autograd forms and the in-place/inference forms."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def no_autocast(fn):
+    """Run an op with autocast switched off (features, states and sums stay float32 under
+    ``torch.autocast``; the op itself converts its inputs and returns q's dtype). Under autocast
+    the matmuls would otherwise run in bf16/fp16 and mix dtypes with the fp32 sums."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        dev = x.device.type if x is not None else "cpu"
+        if not torch.is_autocast_enabled(dev):
+            return fn(*args, **kwargs)
+        with torch.autocast(dev, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def exp_floor(dtype: torch.dtype) -> float:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .masks import NEG, key_mask_bool, sink_mask, validate_qkv
+from .masks import NEG, key_mask_bool, no_autocast, sink_mask, validate_qkv
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap
@@ -36,6 +36,7 @@ def _exact_region(nq: int, nk: int, causal: bool, window: int, device) -> torch.
     return ((s <= t) & (s > t - window)) if causal else ((s - t).abs() < window)
 
 
+@no_autocast
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,6 +69,7 @@ def softmax_attention(
     return (p @ vv).to(q.dtype)
 
 
+@no_autocast
 def quadratic_kernel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

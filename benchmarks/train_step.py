@@ -1,0 +1,157 @@
+"""One training step of SmolLM2-135M, original vs converted: tokens/s and peak RSS.
+
+    .venv/bin/python benchmarks/train_step.py                       # the full table
+    .venv/bin/python benchmarks/train_step.py --n 1024 2048 --dtypes fp32
+
+Batch 1, ``model(ids, labels=ids).loss.backward()``, all parameters trainable, ``model.train()``;
+converted = FAVOR+ m=256 + window 256 + 4 sinks (the main job's recipe). Each case (model, N,
+dtype) runs in its own subprocess (so its peak RSS, ``resource.getrusage``, is its own): load,
+convert, one warm-up step, one measured step (tokens/s = N / its wall time). ``bf16`` runs the
+step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (what Trainer's ``--bf16`` does).
+Cases of the original beyond ``--original-max`` are skipped. A case that fails (e.g. killed for
+memory) is recorded as such. Results are merged into ``benchmarks/results/train_step.json`` (so
+runs can be split) and rendered as ``train_step.md`` and ``train_step.png`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RECIPE = dict(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0)
+
+
+def one_case(model_kind: str, n: int, dtype: str, threads: int) -> dict:
+    """Runs in the child process: load, (convert), warm-up step, measured step."""
+    import resource
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_rfa
+    from hf_rfa.assets.models import smollm2_path
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    if model_kind == "converted":
+        model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPE))
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    ids = torch.randint(10, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(2):  # warm-up, measured
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"model": model_kind, "n": n, "dtype": dtype, "seconds": times[1], "tok_s": n / times[1], "peak_rss_gib": rss / 2**30, "loss": float(loss)}
+
+
+def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model_kind, "n": n, "dtype": dtype, "error": f"timeout > {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+        return {"model": model_kind, "n": n, "dtype": dtype, "error": why}
+    return json.loads(lines[-1])
+
+
+def _key(r: dict) -> tuple:
+    return (r["model"], r["n"], r["dtype"])
+
+
+def render(results: list[dict]) -> str:
+    """Markdown table: one row per (N, dtype), original vs converted."""
+    by = {_key(r): r for r in results}
+    rows = sorted({(r["n"], r["dtype"]) for r in results})
+
+    def cell(r, field, fmt):
+        if r is None:
+            return "—"
+        return r.get("error", "failed") if field not in r else fmt.format(r[field])
+
+    out = ["| N | dtype | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio |", "|---|---|---|---|---|---|---|---|"]
+    for n, dt in rows:
+        o, c = by.get(("original", n, dt)), by.get(("converted", n, dt))
+        ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
+        ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
+        mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"
+        out.append(f"| {n} | {dt} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} |")
+    return "\n".join(out)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for model in ("original", "converted"):
+        for dt, style in (("fp32", "-o"), ("bf16", "--s")):
+            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and "tok_s" in r)
+            if pts:
+                a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
+                a2.plot([n for n, _ in pts], [r["peak_rss_gib"] for _, r in pts], style, label=f"{model} {dt}")
+    for ax, title in ((a1, "training tokens/s (fwd+bwd)"), (a2, "peak RSS (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle("SmolLM2-135M, batch 1, original vs converted (FAVOR+ m=256, window 256, 4 sinks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", nargs=3, metavar=("MODEL", "N", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--models", nargs="+", default=["original", "converted"], choices=["original", "converted"])
+    ap.add_argument("--original-max", type=int, default=8192, help="largest N run for the original model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    ap.add_argument("--out", type=Path, default=RESULTS / "train_step")
+    args = ap.parse_args()
+    if args.child:
+        model, n, dt = args.child
+        print(json.dumps(one_case(model, int(n), dt, args.threads)), flush=True)
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    store = args.out.with_suffix(".json")
+    results = json.loads(store.read_text()) if store.is_file() else []
+    for n in args.n:
+        for dt in args.dtypes:
+            for model in args.models:
+                if model == "original" and n > args.original_max:
+                    continue
+                r = run_case(model, n, dt, args.threads, args.timeout)
+                print(json.dumps(r), flush=True)
+                results = [x for x in results if _key(x) != _key(r)] + [r]
+                store.write_text(json.dumps(results, indent=1))
+    table = render(results)
+    args.out.with_suffix(".md").write_text(
+        "# Training step: original vs converted SmolLM2-135M\n\n"
+        f"`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, {args.threads} threads, "
+        "second step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process.\n\n" + table + "\n"
+    )
+    plot(results, args.out.with_suffix(".png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
