@@ -34,6 +34,8 @@ def _qkv(dtype, n=37, seed=0):
 @pytest.mark.parametrize("name", ALL)
 def test_op_forward_backward_under_autocast(name, path, dtype):
     causal, window, sinks = PATHS[path]
+    if name == "none" and window == 0:
+        pytest.skip("feature_map='none' needs a window or sinks (refused with ValueError, tested in test_window_only)")
     fm = _fm(name)
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, :3] = False
