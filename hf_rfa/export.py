@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 
 from torch import nn
 
+from . import output_dir
 from .config import CONFIG_ATTR, RFAConfig
 
 logger = logging.getLogger(__name__)
@@ -366,13 +367,12 @@ def export(
         pipeline_tag: Hub pipeline tag (default: from ``auto_class``).
         license: model card license (e.g. the base model's).
         repo_id: Hub id used in the card's loading snippets (default: a placeholder).
-        overwrite: replace a non-empty ``out_dir``.
+        overwrite: replace a non-empty ``out_dir`` — only one that hf_rfa wrote (it holds the
+            ``.hf_rfa-output`` marker). The folder is written aside and swapped in atomically.
     Raises:
         ValueError: the model is not converted / not a transformers model, ``out_dir`` is not
-            empty, or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
+            empty (or not hf_rfa's, or a file), or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
     """
-    from .model_card import render_model_card
-
     rfa_config = _check_model(model)
     tags = _check_tags(tags)
     model_class = type(model)
@@ -385,13 +385,21 @@ def export(
         raise ValueError(f"no transformers Auto class maps to {model_class.__name__}; pass a model of a built-in architecture")
     if pipeline_tag is None:
         pipeline_tag = next((pipeline_tag_of(a) for a in autos if pipeline_tag_of(a)), None)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"out_dir {str(out)!r} is not empty (pass overwrite=True)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    final = output_dir.check_target(out_dir, overwrite, flag="overwrite=True")
+    out = output_dir.staging_dir(final)  # written aside, swapped in at the end (nothing lost)
+    try:
+        _write(model, out, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return output_dir.publish(out, final)
 
+
+def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size) -> None:
+    """The files of :func:`export` written into the (staging) folder ``out``."""
+    from .model_card import render_model_card
+
+    model_class = type(model)
     logger.info("exporting %s (%s) to %s", model_class.__name__, rfa_config.feature_map, out)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
 
@@ -415,7 +423,6 @@ def export(
     )
     (out / "README.md").write_text(card, encoding="utf-8")
     _check_saved_rfa_tensors(model, out)
-    return out
 
 
 def _check_saved_rfa_tensors(model: nn.Module, out: Path) -> None:

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import calibration, evaluation, transfer
+from . import calibration, evaluation, output_dir, transfer
 from .config import CONFIG_ATTR, RFAConfig
 from .convert import convert
 
@@ -170,17 +169,15 @@ class _Timer:
         return (time.perf_counter() - self.start) / 60
 
 
-def _tmp_dir(output: Path, overwrite: bool) -> Path:
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise ValueError(f"output {str(output)!r} exists and is not empty (pass --overwrite)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{output.name}.", dir=output.parent))
+def _tmp_dir(output: Path, overwrite: bool, inputs: tuple = ()) -> Path:
+    """A staging folder next to ``output`` once ``output`` may be written: empty, or written by
+    hf_rfa with --overwrite, and not containing any input (:func:`output_dir.check_target`)."""
+    output_dir.check_target(output, overwrite, inputs, flag="--overwrite")
+    return output_dir.staging_dir(output)
 
 
 def _publish(tmp: Path, output: Path) -> None:
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(tmp, output)
+    output_dir.publish(tmp, output)  # old result aside, new one in, old one deleted
 
 
 def _rows_markdown(rows: list[dict]) -> str:
@@ -208,7 +205,7 @@ def run(cfg: ConversionConfig) -> dict:
     """Run one conversion; returns the report (also written to ``output/report.json``)."""
     torch.manual_seed(cfg.seed)
     output = Path(cfg.output).resolve()
-    tmp = _tmp_dir(output, cfg.overwrite)
+    tmp = _tmp_dir(output, cfg.overwrite, (cfg.model, cfg.calibration_text, cfg.train_text, cfg.eval_text))
     try:
         report = _run(cfg, tmp)
         _publish(tmp, output)

@@ -340,3 +340,61 @@ def test_deepspeed_is_reported_when_unavailable():
         pytest.skip("deepspeed installed: run training/run_deepspeed.sh on GPUs")
     readme = open(os.path.join(ROOT, "training", "README.md")).read()
     assert "DeepSpeed" in readme and "not installed" in readme
+
+
+class _Payload:
+    """Unpickling this runs code (what a crafted checkpoint file would do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_latest_checkpoint_skips_incomplete(tmp_path):
+    from hf_rfa.train import latest_checkpoint
+    from hf_rfa.train.loop import COMPLETE_FILE
+
+    for n in (3, 6, 9):
+        (tmp_path / f"step_{n}").mkdir()
+    for n in (3, 6):
+        (tmp_path / f"step_{n}" / COMPLETE_FILE).write_text(str(n))
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_6")  # step_9: killed while saving
+
+
+def test_train_state_json_rejects_bad_values(tmp_path):
+    from hf_rfa.train import TrainState
+
+    state = TrainState(completed_steps=3, losses=[1.5])
+    state.save_json(str(tmp_path))
+    other = TrainState()
+    other.load_json(str(tmp_path))
+    assert other == state
+    for bad in ({"completed_steps": "3"}, {"evil": 1}, {"losses": ["x"]}, {"epoch": -1}):
+        with pytest.raises(ValueError, match="train state"):
+            other.load_state_dict(bad)
+
+
+def test_resume_latest_never_unpickles_state_and_keeps_log_unique(assets, tmp_path):
+    """Resume in the same folder after the run was 'killed' while saving step_6: latest picks the
+    complete step_3, a planted custom_checkpoint pickle is never loaded, log.jsonl lists each step
+    once, and the losses equal the uninterrupted run's."""
+    import pickle
+
+    out = tmp_path / "run"
+    args = _acc_args(assets, out, per_device_train_batch_size=8, gradient_accumulation_steps=2, checkpointing_steps=3)
+    _launch("train_accelerate.py", args, 1)
+    full = _results(out)
+    assert (out / "step_3" / "train_state.json").is_file() and not glob.glob(str(out / "step_*" / "custom_checkpoint_*.pkl"))
+    os.remove(out / "step_6" / "COMPLETE")  # killed while saving step_6
+    sentinel = tmp_path / "pwned"
+    with open(out / "step_3" / "custom_checkpoint_0.pkl", "wb") as f:
+        pickle.dump(_Payload(str(sentinel)), f)
+    _launch("train_accelerate.py", args + ["--resume_from_checkpoint", "latest"], 1)
+    resumed = _results(out)
+    assert not sentinel.exists()
+    with open(out / "log.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert _rel(resumed["losses"], full["losses"]) <= RESUME_LOSS_REL
