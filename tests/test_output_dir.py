@@ -44,7 +44,10 @@ def test_interrupted_export_keeps_the_old_result(tmp_path, monkeypatch):
     model = _converted()
     out = export(model, tmp_path / "out")
     before = sorted(p.name for p in out.iterdir())
-    monkeypatch.setattr("hf_rfa.export._check_saved_rfa_tensors", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["hf_rfa.export"], "_check_saved_rfa_tensors", interrupt)
     with pytest.raises(KeyboardInterrupt):
         export(model, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == before

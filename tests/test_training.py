@@ -378,8 +378,8 @@ def test_train_state_json_rejects_bad_values(tmp_path):
 
 def test_resume_latest_never_unpickles_state_and_keeps_log_unique(assets, tmp_path):
     """Resume in the same folder after the run was 'killed' while saving step_6: latest picks the
-    complete step_3, a planted custom_checkpoint pickle is never loaded, log.jsonl lists each step
-    once, and the losses equal the uninterrupted run's."""
+    complete step_3; a planted custom_checkpoint pickle is refused (never loaded); once it is
+    removed, log.jsonl lists each step once and the losses equal the uninterrupted run's."""
     import pickle
 
     out = tmp_path / "run"
@@ -391,9 +391,12 @@ def test_resume_latest_never_unpickles_state_and_keeps_log_unique(assets, tmp_pa
     sentinel = tmp_path / "pwned"
     with open(out / "step_3" / "custom_checkpoint_0.pkl", "wb") as f:
         pickle.dump(_Payload(str(sentinel)), f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([PY, os.path.join(ROOT, "training", "train_accelerate.py"), *args, "--resume_from_checkpoint", "latest"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "never unpickles" in proc.stderr and not sentinel.exists()
+    os.remove(out / "step_3" / "custom_checkpoint_0.pkl")
     _launch("train_accelerate.py", args + ["--resume_from_checkpoint", "latest"], 1)
     resumed = _results(out)
-    assert not sentinel.exists()
     with open(out / "log.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps == [1, 2, 3, 4, 5, 6]

@@ -218,6 +218,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     if resume:
         if not os.path.isdir(resume):
             raise ValueError(f"resume_from_checkpoint {resume!r} is not a checkpoint folder")
+        pickles = sorted(f for f in os.listdir(resume) if f.startswith("custom_checkpoint_"))
+        if pickles:  # accelerate would unpickle them (arbitrary code); hf_rfa never writes them
+            raise ValueError(f"checkpoint {resume!r} holds {pickles}: hf_rfa saves its training state as JSON and never unpickles one; remove these files to resume")
         accelerator.load_state(resume)
         state.load_json(resume)
         if interval and state.redraw_step:
