@@ -303,3 +303,21 @@ def test_real_rotten_tomatoes() -> None:
         assert [{"text": r["text"], "label": int(r["label"])} for r in rows] == data[
             split
         ]
+
+
+@pytest.mark.parametrize("package,binary", [(("gensim", "4.4.0", "gensim_x"), True), (("openai-whisper", "20250625", "whisper_x"), False)])
+def test_pinned_installs_refuse_source_builds(monkeypatch, tmp_path, package, binary):
+    """pip gets --only-binary :all: (no setup.py runs), except for the named sdist-only packages."""
+    import importlib.util
+    import subprocess
+    import types
+
+    from hf_rfa.assets import store
+
+    calls, found = [], iter([None, types.SimpleNamespace(submodule_search_locations=[str(tmp_path)], origin=None)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: next(found))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+    assert store.ensure_package(*package) == tmp_path
+    (cmd,) = calls
+    assert cmd[-1] == f"{package[0]}=={package[1]}" and "--no-deps" in cmd
+    assert (cmd[cmd.index("--only-binary") + 1] == ":all:") if binary else "--only-binary" not in cmd

