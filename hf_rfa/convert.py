@@ -40,8 +40,42 @@ def _uses_attention_interface(module: nn.Module) -> bool:
     return _SOURCE_CACHE[cls]
 
 
+#: module-name fragments of cross-attention (kept exact: not converted)
+_CROSS_NAMES = ("crossattention", "encdecattention", "encoder_attn", "cross_attn")
+
+
 def _is_cross_attention(name: str, module: nn.Module) -> bool:
-    return bool(getattr(module, "is_cross_attention", False)) or "Cross" in type(module).__name__ or "crossattention" in name.lower()
+    return bool(getattr(module, "is_cross_attention", False)) or "Cross" in type(module).__name__ or any(c in name.lower() for c in _CROSS_NAMES)
+
+
+def _sliding_window(module: nn.Module) -> str | None:
+    window = getattr(module, "sliding_window") if hasattr(module, "sliding_window") else getattr(getattr(module, "config", None), "sliding_window", None)
+    return f"sliding-window attention (sliding_window={window})" if window is not None else None
+
+
+def _soft_capping(module: nn.Module) -> str | None:
+    cap = getattr(module, "attn_logit_softcapping", None)
+    return f"attention-logit soft-capping (attn_logit_softcapping={cap})" if cap is not None else None
+
+
+def _learned_sinks(module: nn.Module) -> str | None:
+    return "learned attention sinks (a per-head sink logit)" if isinstance(getattr(module, "sinks", None), torch.Tensor) else None
+
+
+def _relative_bias(module: nn.Module) -> str | None:
+    if hasattr(module, "has_relative_attention_bias") or hasattr(module, "relative_attention_bias"):
+        return "a relative position bias added to the scores (T5-style)"
+    return None
+
+
+#: what random feature attention does not reproduce: each check returns the reason or None
+UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias)
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why converting this attention module would change its attention beyond the feature-map
+    approximation (``window >= N`` would no longer be exact), or None when it can be converted."""
+    return next((r for check in UNSUPPORTED_CHECKS if (r := check(module)) is not None), None)
 
 
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
@@ -99,7 +133,10 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> n
         config: an :class:`RFAConfig` (default ``RFAConfig()``); ``**overrides`` edit its fields.
     Raises:
         ValueError: the model has no attention on transformers' attention interface (names its
-            class), or ``config.layers`` names layers the model does not have.
+            class), ``config.layers`` names layers the model does not have, or a layer to convert
+            uses something the feature attention drops (a sliding window, logit soft-capping,
+            learned sinks, a relative position bias: :func:`unsupported_reason` names it).
+            Cross-attention is never converted (it stays exact).
     """
     register()
     if config is None:
@@ -119,6 +156,14 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> n
     present = {idx for _, _, idx in modules}
     if config.layers is not None and not set(config.layers) <= present:
         raise ValueError(f"layers {sorted(set(config.layers) - present)} not in the model (it has layers {sorted(present)})")
+    # every layer counts: the ones left unconverted run hf_rfa's plain softmax (exact_attention)
+    refused = [(name, idx, r) for name, module, idx in modules if (r := unsupported_reason(module))]
+    if refused:
+        name, idx, reason = refused[0]
+        raise ValueError(
+            f"{type(model).__name__}: layer {idx} ({name}) uses {reason}, which hf_rfa's attention does not "
+            f"reproduce ({len(refused)} such layer(s)); refusing to convert rather than change the model's attention silently"
+        )
     converted = 0
     for _name, module, idx in modules:
         if hasattr(module, "rfa"):
