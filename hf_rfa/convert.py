@@ -216,23 +216,71 @@ def _rfa_keys(state: dict) -> list[str]:
     return [k for k in state if ".rfa." in k or k.startswith("rfa.")]
 
 
-def _read_rfa_tensors(path: str) -> dict[str, torch.Tensor]:
+_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The weight files of the checkpoint in folder ``path``: those its index names (sharded), else
+    its single ``model.safetensors`` / ``pytorch_model.bin`` — never other files that happen to lie
+    in the folder (a stale copy of another model). ValueError when the index is unreadable or names
+    a missing or non-local file, or when there are no weights."""
+    for index, single in _INDEXES:
+        ipath = os.path.join(path, index)
+        if os.path.isfile(ipath):
+            try:
+                with open(ipath, encoding="utf-8") as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"checkpoint index {ipath} is unreadable: {e}") from None
+            bad = [n for n in names if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")]
+            missing = [n for n in names if n not in bad and not os.path.isfile(os.path.join(path, n))]
+            if bad or missing:
+                raise ValueError(f"checkpoint index {ipath} names {'non-local' if bad else 'missing'} files {(bad or missing)[:3]}")
+            return names
+        if os.path.isfile(os.path.join(path, single)):
+            return [single]
+    raise ValueError(f"{path} holds no model.safetensors / pytorch_model.bin (nor a sharded index)")
+
+
+def verify_safetensors(path: str) -> None:
+    """ValueError naming the file when a weight file of the checkpoint is truncated or corrupt
+    (its header or its data length is wrong); checked before transformers reads them."""
     from safetensors import safe_open
 
-    files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-    if not files:
-        bins = [f for f in os.listdir(path) if f.endswith(".bin")]
-        out = {}
-        for f in bins:
-            sd = torch.load(os.path.join(path, f), map_location="cpu", weights_only=True)
-            out.update({k: v for k, v in sd.items() if k in _rfa_keys(sd)})
-        return out
-    out = {}
-    for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as fh:
-            for k in fh.keys():
-                if ".rfa." in k or k.startswith("rfa."):
-                    out[k] = fh.get_tensor(k)
+    for f in checkpoint_files(path):
+        if not f.endswith(".safetensors"):
+            continue
+        full = os.path.join(path, f)
+        try:
+            with open(full, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n <= 100_000_000 else None
+            end = max((v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"), default=0)
+            if header is None or os.path.getsize(full) < 8 + n + end:
+                raise ValueError(f"{os.path.getsize(full)} bytes, the header needs {8 + n + end}")
+            with safe_open(full, framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure: a broken file, named
+            raise ValueError(f"weight file {full} is truncated or corrupt ({e})") from None
+
+
+def _read_rfa_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The ``rfa.*`` tensors of the checkpoint's own weight files; ValueError for a non-finite one."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        full = os.path.join(path, f)
+        if f.endswith(".safetensors"):
+            with safe_open(full, framework="pt") as fh:
+                found = {k: fh.get_tensor(k) for k in fh.keys() if ".rfa." in k or k.startswith("rfa.")}
+        else:
+            sd = torch.load(full, map_location="cpu", weights_only=True)
+            found = {k: sd[k] for k in _rfa_keys(sd)}
+        for k, t in found.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"feature-map tensor {k} in {full} holds NaN/inf values: refusing to load it")
+        out.update(found)
     return out
 
 
@@ -298,6 +346,7 @@ def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
         model_class = getattr(transformers, arch, None) if arch else None
         if model_class is None:
             raise ValueError(f"cannot tell the model class of {name_or_path}; pass model_class=")
+    verify_safetensors(path)
     with _quiet_transformers():  # the rfa.* keys are reported as unexpected: we load them below
         model = model_class.from_pretrained(path, attn_implementation=ATTN_NAME, **kwargs)
     convert(model, rfa_cfg)
