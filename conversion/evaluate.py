@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate this many tokens (evenly spread windows)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
+    if a.max_tokens is not None and a.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1 (or omitted: all), got {a.max_tokens}")
+    if a.context < 2:
+        p.error(f"--context must be >= 2, got {a.context}")
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: perplexity is undefined")

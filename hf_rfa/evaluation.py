@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -28,10 +29,41 @@ _TEXT_COLUMNS = ("text", "sentence", "content")
 
 
 # --------------------------------------------------------------------------- text sources
+_FILE_SUFFIXES = (".txt", ".csv", ".json", ".jsonl", ".tsv", ".md")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` names a local path rather than a Hub id / dataset (``name[:config]:split``):
+    absolute or ``./``/``../``/``~`` relative, a file suffix, or its first component exists here."""
+    first = spec.replace("\\", "/").split("/")[0]
+    return (
+        spec.startswith(("/", "./", "../", "~"))
+        or spec.lower().endswith(_FILE_SUFFIXES)
+        or ("/" in spec and first not in ("", ".") and os.path.isdir(first))
+    )
+
+
+def _read_file(path: str, newline: str | None = None) -> str:
+    """The UTF-8 text of ``path``; ValueError naming the file when it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline=newline) as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text file {path} is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _nonempty(spec: str, items):
+    if not items:
+        raise ValueError(f"text source {spec!r} holds no text")
+    return items
+
+
 def _hub_dataset(spec: str):
     """``name:split`` or ``name:config:split`` → a ``datasets.Dataset`` (needs the Hub or a cache)."""
     from datasets import load_dataset
 
+    if looks_like_path(spec):
+        raise ValueError(f"text file {spec!r} not found")
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not all(parts):
         raise ValueError(f"text source {spec!r} is not a file, 'wikipedia:<split>', 'rotten_tomatoes:<split>', 'name:split' or 'name:config:split'")
@@ -45,8 +77,8 @@ def load_text(spec: str) -> str:
     Raises ValueError for an unknown ``wikipedia:`` split or a dataset without a text column.
     """
     if os.path.isfile(spec):
-        with open(spec, encoding="utf-8") as f:
-            return f.read()
+        text = _read_file(spec)
+        return _nonempty(spec, text if text.strip() else "")
     if spec.startswith("wikipedia:"):
         from . import assets
 
@@ -65,15 +97,13 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
     ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
     if os.path.isfile(spec):
         if spec.endswith(".csv"):
-            with open(spec, encoding="utf-8", newline="") as f:
-                rows = list(csv.DictReader(f))
+            rows = _nonempty(spec, list(csv.DictReader(io.StringIO(_read_file(spec, newline="")))))
             col = next((c for c in _TEXT_COLUMNS if rows and c in rows[0]), None)
             if col is None:
                 raise ValueError(f"{spec}: CSV needs a text column (one of {_TEXT_COLUMNS})")
             labels = [int(r["label"]) for r in rows] if rows and "label" in rows[0] else None
             return [r[col] for r in rows], labels
-        with open(spec, encoding="utf-8") as f:
-            return [line.strip() for line in f if line.strip()], None
+        return _nonempty(spec, [line.strip() for line in _read_file(spec).splitlines() if line.strip()]), None
     if spec.startswith("rotten_tomatoes:"):
         from . import assets
 

@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -94,8 +96,16 @@ class ConversionConfig:
             raise ValueError(f"eval_contexts must be a non-empty list of ints >= 2, got {self.eval_contexts!r}")
         for name in ("transfer_minutes", "lora_minutes"):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be None or >= 0, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise ValueError(f"{name} must be None or a finite number >= 0, got {v!r}")
+        for name in ("transfer_lr", "lora_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("eval_tokens", "transfer_queries"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
         RFAConfig(feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks)
         if self.learnable_projections:
             from .feature_maps import feature_map_class
@@ -132,11 +142,22 @@ def resolve_checkpoint(spec: str) -> str:
 
         if not os.path.isfile(spec):
             raise ValueError(f"model: GGUF file {spec!r} not found")
-        out = assets.cache_dir() / "gguf" / Path(spec).stem
+        out = assets.cache_dir() / "gguf" / f"{Path(spec).stem}-{_content_key(spec)}"  # keyed on content, not name
         if not (out / "config.json").is_file():
             assets.gguf_to_hf(spec, out, overwrite=True)
         return str(out)
+    if not os.path.isdir(spec) and evaluation.looks_like_path(spec):
+        raise ValueError(f"model: local folder {spec!r} not found (a Hub id looks like 'org/name')")
     return spec
+
+
+def _content_key(path: str) -> str:
+    """First 16 hex digits of the file's SHA-256."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any, str]:
