@@ -385,7 +385,7 @@ def export(
         raise ValueError(f"no transformers Auto class maps to {model_class.__name__}; pass a model of a built-in architecture")
     if pipeline_tag is None:
         pipeline_tag = next((pipeline_tag_of(a) for a in autos if pipeline_tag_of(a)), None)
-    final = output_dir.check_target(out_dir, overwrite, flag="overwrite=True")
+    final = output_dir.check_target(out_dir, overwrite, flag="overwrite=True", name="out_dir")
     out = output_dir.staging_dir(final)  # written aside, swapped in at the end (nothing lost)
     try:
         _write(model, out, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size)

@@ -46,26 +46,26 @@ def _empty(folder: Path) -> bool:
     return all(p.name == _OWNER for p in folder.iterdir())
 
 
-def check_target(out: str | os.PathLike, overwrite: bool, inputs: Iterable[str | os.PathLike | None] = (), flag: str = "overwrite") -> Path:
+def check_target(out: str | os.PathLike, overwrite: bool, inputs: Iterable[str | os.PathLike | None] = (), flag: str = "overwrite", name: str = "output") -> Path:
     """The resolved target ``out``; ValueError when it must not be (re)written: it names a file,
     it is non-empty and ``overwrite`` is false, it was not written by hf_rfa (no :data:`MARKER`),
     or it contains one of ``inputs`` (paths that do not exist locally, e.g. Hub ids, are ignored).
-    ``flag``: how the caller spells the overwrite option in messages."""
+    ``flag`` / ``name``: how the caller spells the overwrite option / the target in messages."""
     out = Path(out).resolve()
     if out.exists() and not out.is_dir():
-        raise ValueError(f"output {str(out)!r} is a file, not a folder: choose a folder path")
+        raise ValueError(f"{name} {str(out)!r} is a file, not a folder: choose a folder path")
     for item in inputs:
         if item is None or not os.path.exists(item):
             continue
         src = Path(item).resolve()
         if _inside(src, out):
-            raise ValueError(f"output {str(out)!r} contains (or is inside) the input {str(src)!r}: choose another output folder")
+            raise ValueError(f"{name} {str(out)!r} contains the input {str(src)!r}: choose another output folder")
     if out.is_dir() and not _empty(out):
         if not overwrite:
-            raise ValueError(f"output {str(out)!r} exists and is not empty (pass {flag})")
+            raise ValueError(f"{name} {str(out)!r} exists and is not empty (pass {flag})")
         if not (out / MARKER).is_file():
             raise ValueError(
-                f"output {str(out)!r} was not written by hf_rfa (no {MARKER} file): {flag} only replaces "
+                f"{name} {str(out)!r} was not written by hf_rfa (no {MARKER} file): {flag} only replaces "
                 "folders hf_rfa wrote; choose a new folder or empty it yourself"
             )
     return out

@@ -65,6 +65,7 @@ def assets(tmp_path_factory) -> dict[str, str]:
         "bert": lambda: tf.BertModel(tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)),
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, pad_token_id=0, **common)),
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0)),
+        "gpt2_dropout": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=0)),  # dropout 0.1
     }
     out = {}
     for name, make in models.items():
@@ -400,4 +401,16 @@ def test_resume_latest_never_unpickles_state_and_keeps_log_unique(assets, tmp_pa
     with open(out / "log.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps == [1, 2, 3, 4, 5, 6]
+    assert _rel(resumed["losses"], full["losses"]) <= RESUME_LOSS_REL
+
+
+def test_resume_with_dropout_is_exact(assets, tmp_path):
+    """GPT-2's default dropout (0.1): the resumed run draws the same dropout masks (RNG states
+    restored after the resumed data iterator is created)."""
+    a = _acc_args(assets, tmp_path / "a", "gpt2_dropout", per_device_train_batch_size=4, checkpointing_steps=3)
+    _launch("train_accelerate.py", a, 1)
+    full = _results(tmp_path / "a")
+    b = _acc_args(assets, tmp_path / "b", "gpt2_dropout", per_device_train_batch_size=4, resume_from_checkpoint=tmp_path / "a" / "step_3")
+    _launch("train_accelerate.py", b, 1)
+    resumed = _results(tmp_path / "b")
     assert _rel(resumed["losses"], full["losses"]) <= RESUME_LOSS_REL

@@ -225,6 +225,10 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         state.load_json(resume)
         if interval and state.redraw_step:
             redraw(model, state.redraw_step)  # projections are a function of the step: restore exactly
+    # the checkpoint's RNG state (restored by load_state): creating the resumed data iterator draws
+    # from the global generator (DataLoader's base seed), which the interrupted run had done before
+    # its first step, so the state is set again once that iterator exists — dropout masks match
+    rng_at_resume = torch.get_rng_state() if resume else None
         logger.info("resumed from %s at optimizer step %d (epoch %d, step %d in epoch)", resume, state.completed_steps, state.epoch, state.steps_in_epoch)
 
     total_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -244,6 +248,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         skip = state.steps_in_epoch * args.gradient_accumulation_steps
         loader = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
         for batch in loader:
+            if rng_at_resume is not None:
+                torch.set_rng_state(rng_at_resume)
+                rng_at_resume = None
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
