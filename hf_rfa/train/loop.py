@@ -225,11 +225,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         state.load_json(resume)
         if interval and state.redraw_step:
             redraw(model, state.redraw_step)  # projections are a function of the step: restore exactly
+        logger.info("resumed from %s at optimizer step %d (epoch %d, step %d in epoch)", resume, state.completed_steps, state.epoch, state.steps_in_epoch)
     # the checkpoint's RNG state (restored by load_state): creating the resumed data iterator draws
     # from the global generator (DataLoader's base seed), which the interrupted run had done before
     # its first step, so the state is set again once that iterator exists — dropout masks match
     rng_at_resume = torch.get_rng_state() if resume else None
-        logger.info("resumed from %s at optimizer step %d (epoch %d, step %d in epoch)", resume, state.completed_steps, state.epoch, state.steps_in_epoch)
 
     total_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     logger.info("%d examples, %d optimizer steps (%d per epoch), global batch %d, redraw every %d steps", len(data.train), max_steps, steps_per_epoch, total_batch, interval)
