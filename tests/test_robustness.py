@@ -259,7 +259,7 @@ def _fuzz_case(rng: random.Random, maps: dict, case: int) -> tuple[int, int, int
             if mask is not None and (~mask).any():
                 k3, v3 = k.clone(), v.clone()
                 pad = ~mask[:, None, :, None]
-                k3, v3 = k3.masked_fill(pad, rng.choice([float("nan"), float("inf"), 1e4])), v3.masked_fill(pad, float("-inf"))
+                k3, v3 = k3.masked_fill(pad, rng.choice([float("nan"), float("inf"), 1e4, -30.0])), v3.masked_fill(pad, rng.choice([float("-inf"), 1e4]))
                 out3 = A(q, k3, v3, fm, **kw)
                 influenced |= int(not torch.equal(out.nan_to_num(7.0), out3.nan_to_num(7.0)))
     except Exception:  # noqa: BLE001 - counted: valid arguments must not raise

@@ -114,13 +114,21 @@ def sink_positions(key_mask: torch.Tensor | None, b: int, nk: int, sinks: int, d
     return pos, exists
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """Cheap test that no entry is NaN/±inf: a float32 sum of each tensor is finite (NaN and inf
+    propagate; a sum that overflows from finite values only sends the caller to its exact check)."""
+    return all(bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))) for t in tensors)
+
+
 def guard_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Keep padded and non-finite positions out of every other row's output.
 
-    Padded keys/values (``key_mask [B, Nk]`` False) are zeroed, so whatever they hold changes
-    nothing. A non-finite query, or a non-finite real key/value, is zeroed too and the rows that
+    Finite padded keys/values are already excluded exactly by the ops (masked features, ``NEG``
+    log scales); when any input is non-finite, padded keys/values (``key_mask [B, Nk]`` False) are
+    zeroed, so whatever they hold changes nothing. A non-finite query, or a non-finite real
+    key/value, is zeroed too and the rows that
     would see it (softmax makes them NaN: itself for a query; causal: the rows at or after the
     key; bidirectional: every row) are returned as ``poison [B, H, Nq]`` for the caller to set to
     NaN — so no row's output depends, even through a shared maximum or a 0·inf, on positions it
@@ -129,11 +137,12 @@ def guard_inputs(
 
     q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` → the same shapes.
     """
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _all_finite(q, k, v):  # the common case: the ops mask padded keys exactly
+        return q, k, v, None
     if key_mask is not None:
         pad = ~key_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
-    if not torch.compiler.is_compiling() and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
-        return q, k, v, None
     b, h, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     qbad = ~torch.isfinite(q).all(-1)  # [B,H,Nq]
