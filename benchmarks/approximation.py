@@ -13,9 +13,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf_rfa import available_feature_maps  # noqa: E402
-from hf_rfa.metrics import approximation_errors, error_table_markdown  # noqa: E402
+from hf_rfa import available_feature_maps
+from hf_rfa.recipes.approximation import approximation_errors, error_table_markdown
 
 
 def main(argv=None) -> None:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hf_rfa  # noqa: E402
+import hf_rfa
 
 
 def run(q, k, v, fm, go, ckpt: bool) -> tuple[float, float]:

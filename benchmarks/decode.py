@@ -24,8 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf_rfa  # noqa: E402
+import hf_rfa
 
 logger = logging.getLogger("benchmarks.decode")
 
@@ -62,7 +61,7 @@ def cache_bytes(cache) -> int:
 def prefill(model, ids: torch.Tensor, chunk: int):
     from transformers import DynamicCache
 
-    cache = hf_rfa.RFACache(model) if hf_rfa.cache.uses_rfa(model) else DynamicCache(config=model.config)
+    cache = hf_rfa.RFACache(model) if hf_rfa.hf.cache.uses_rfa(model) else DynamicCache(config=model.config)
     t0 = time.perf_counter()
     for a in range(0, ids.shape[1], chunk):
         out = model(ids[:, a:a + chunk], cache=cache, use_cache=True, logits_to_keep=1)

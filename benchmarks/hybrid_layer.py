@@ -1,5 +1,5 @@
 """Speed of one causal *hybrid* attention layer (exact window + sinks + FAVOR+ for the rest) against
-SDPA, with the compiled CPU kernels (``hf_rfa.ops.native``) and without (the PyTorch path).
+SDPA, with the compiled CPU kernels (``hf_rfa.ops.backends.native``) and without (the PyTorch path).
 
 This is the layer of the main job's converted SmolLM2-135M (H=9 query heads, 3 kv heads, d=64,
 W=256, S=4, favor+ m=256). One command::
@@ -26,11 +26,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import hf_rfa  # noqa: E402
-from hf_rfa.ops import native  # noqa: E402
+import hf_rfa
+from hf_rfa.ops.backends import native
 
 
 def main(argv=None) -> None:

@@ -43,11 +43,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import hf_rfa  # noqa: E402
-from hf_rfa.ops import native  # noqa: E402
+import hf_rfa
+from hf_rfa.ops.backends import native
 
 B, H, D = 1, 12, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -459,7 +457,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--compile", action="store_true", help="hf_rfa.set_compile(True): compiled inference kernels (forward only)")
     ap.add_argument("--checkpoint-blocks", action="store_true", help="random_feature_attention(checkpoint_blocks=True): recompute blocks in backward")
-    ap.add_argument("--no-native", action="store_true", help="bypass the compiled CPU kernel (hf_rfa.ops.native): the PyTorch path")
+    ap.add_argument("--no-native", action="store_true", help="bypass the compiled CPU kernel (hf_rfa.ops.backends.native): the PyTorch path")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -6,21 +6,18 @@
 
 Text sources: a file, ``wikipedia:<calibration|train|eval>`` / ``rotten_tomatoes:<train|test>``
 (offline assets) or a Hub dataset ``name[:config]:split``. All logic is in
-:mod:`hf_rfa.pipeline`; this script parses flags and prints the result table.
+:mod:`hf_rfa.recipes.conversion.pipeline`; this script parses flags and prints the result table.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa.pipeline import ConversionConfig, _rows_markdown, run  # noqa: E402
+from hf_rfa.recipes.conversion.pipeline import ConversionConfig, _rows_markdown, run
 
 
 def parser() -> argparse.ArgumentParser:

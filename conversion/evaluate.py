@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rfa import evaluation  # noqa: E402
-from hf_rfa.pipeline import CAUSAL_LM, load_model  # noqa: E402
+from hf_rfa.recipes import evaluation
+from hf_rfa.recipes.conversion.pipeline import CAUSAL_LM, load_model
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -21,11 +21,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT = [
     "--feature-map", "favor+", "--num-features", "256", "--window", "256", "--sinks", "4", "--no-random-hybrid",

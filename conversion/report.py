@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import shlex
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _FLAGS = [
     "feature_map", "num_features", "window", "sinks", "transfer_tokens", "transfer_minutes", "lora_tokens", "lora_minutes",

@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from hf_rfa import assets, evaluation
+    from hf_rfa import assets
+    from hf_rfa.recipes import evaluation
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True)

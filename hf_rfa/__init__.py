@@ -14,15 +14,15 @@ Public API::
 from .config import RFAConfig
 from .feature_maps import FeatureMap, Features, available_feature_maps, build_feature_map, register_feature_map
 from .ops import LinearState, quadratic_kernel_attention, random_feature_attention, softmax_attention
-from .ops.kernels import compile_enabled, set_compile
-from .ops.native import native_enabled, set_native
+from .ops.backends.kernels import compile_enabled, set_compile
+from .ops.backends.native import native_enabled, set_native
 
 __version__ = "0.1.0"
 
 
 def _register_with_transformers() -> None:
     try:
-        from .attention import register
+        from .hf.attention import register
     except ImportError:  # transformers not installed: the ops still work
         return
     register()
@@ -30,15 +30,15 @@ def _register_with_transformers() -> None:
 
 _register_with_transformers()
 
-from .convert import convert, feature_maps, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
+from .hf.convert import convert, feature_maps, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
 
 try:  # with transformers: generate() of a converted model defaults to the constant-memory RFACache
-    from .cache import RFACache, RFACacheLayer, install_generate_hook  # noqa: E402
+    from .hf.cache import RFACache, RFACacheLayer, install_generate_hook  # noqa: E402
 except ImportError:  # transformers not installed
     pass
 else:
     install_generate_hook()
-from .export import export, push_to_hub  # noqa: E402
+from .hub.export import export, push_to_hub  # noqa: E402
 
 __all__ = [
     "compile_enabled",

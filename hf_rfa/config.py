@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .feature_maps import available_feature_maps
+from .ops.backends import backend_names, check_name
 from .ops.masks import MAX_CHUNK, MAX_SINKS, check_int
 
 #: inclusive ranges of the integer fields (a config.json can carry any value: absurd ones are
@@ -43,11 +44,11 @@ class RFAConfig:
     redraw_interval: int = field(default=0, metadata={"help": "redraw projections every N optimizer steps (0: never)"})
     layers: list[int] | None = field(default=None, metadata={"help": "indices of layers to convert (None: all)"})
     chunk_size: int = field(default=64, metadata={"help": "chunk length of the causal chunkwise-parallel form"})
-    per_head: bool = field(default=True, metadata={"help": "learned maps: separate parameters per head"})
     checkpoint_blocks: bool = field(
         default=False,
         metadata={"help": "training: recompute each 512-token block of pure causal layers (window=0) in backward; activation memory O(N·D) instead of O(N·m)"},
     )
+    backend: str = field(default="auto", metadata={"help": f"implementation of each attention call, one of {list(backend_names())} (hf_rfa.ops.backends)"})
     feature_map_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra options of the map"})
 
     def __post_init__(self) -> None:
@@ -56,9 +57,10 @@ class RFAConfig:
             raise ValueError(f"feature_map must be one of {names}, got {self.feature_map!r}")
         for name, (low, high) in _INT_RANGES.items():
             check_int(name, getattr(self, name), low, high)
-        for name in ("gate", "per_head", "checkpoint_blocks"):
+        for name in ("gate", "checkpoint_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
+        check_name(self.backend)
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:
@@ -80,6 +82,9 @@ class RFAConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RFAConfig":
+        d = dict(d)
+        if d.pop("per_head", True) is not True:  # saved before 0.1.0's clean-up; learned maps are always per head
+            raise ValueError("per_head must be True (learned feature maps have one set of parameters per head)")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -13,5 +13,5 @@ fi
 .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "WARNING: Location" || true
 # the optional compiled CPU kernel (g++ and ninja; about a minute once, cached): built now rather
 # than inside the first attention call. Its absence is not an error (the PyTorch path is used).
-.venv/bin/python -m hf_rfa.ops.native || true
+.venv/bin/python -m hf_rfa.ops.backends.native || true
 .venv/bin/python -c "import torch, transformers, hf_rfa; print('ready: torch', torch.__version__, 'transformers', transformers.__version__, 'hf_rfa', hf_rfa.__version__)"

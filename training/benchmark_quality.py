@@ -204,7 +204,7 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     os.makedirs(a.output_dir, exist_ok=True)
     sections = ["# Fine-tuning quality (CPU, measured)", "", f"Produced by `python training/benchmark_quality.py` on {os.cpu_count()} CPU cores "
-                "(a shared machine: times are pessimistic). Metrics are computed offline (`hf_rfa.train.metrics`), not with `evaluate.load`.", ""]
+                "(a shared machine: times are pessimistic). Metrics are computed offline (`hf_rfa.recipes.training.metrics`), not with `evaluate.load`.", ""]
     all_cmds = []
     if not a.skip_cls:
         text, cmds = classification(a)

@@ -11,7 +11,7 @@ dataset). Starts from an original checkpoint (converted on the fly with ``--feat
         --output_dir out --do_train --do_eval --num_train_epochs 1
     accelerate launch --config_file training/configs/ddp.yaml training/finetune.py ...
 
-All logic lives in :mod:`hf_rfa.train`; see training/README.md.
+All logic lives in :mod:`hf_rfa.recipes.training`; see training/README.md.
 """
 
 import logging
@@ -19,7 +19,7 @@ import sys
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from hf_rfa.train import DataArguments, ModelArguments, RFAArguments, run_trainer
+from hf_rfa.recipes.training import DataArguments, ModelArguments, RFAArguments, run_trainer
 
 
 def main(argv: list[str] | None = None) -> dict:

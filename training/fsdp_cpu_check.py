@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from hf_rfa.convert import redraw
-from hf_rfa.train import DataArguments, ModelArguments, RFAArguments, build_model, load_tokenizer, prepare, projection_fingerprint
+from hf_rfa import redraw
+from hf_rfa.recipes.training import DataArguments, ModelArguments, RFAArguments, build_model, load_tokenizer, prepare, projection_fingerprint
 
 logger = logging.getLogger("fsdp_cpu_check")
 

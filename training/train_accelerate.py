@@ -10,7 +10,7 @@ Same tasks and model options as ``finetune.py``; adds gradient accumulation, mix
         --output_dir out --max_train_steps 100 --checkpointing_steps 50
     accelerate launch --cpu --num_processes 2 training/train_accelerate.py ...   # CPU, gloo
 
-All logic lives in :mod:`hf_rfa.train.loop`; see training/README.md.
+All logic lives in :mod:`hf_rfa.recipes.training.loop`; see training/README.md.
 """
 
 import logging
@@ -19,7 +19,7 @@ import sys
 
 from transformers import HfArgumentParser
 
-from hf_rfa.train import DataArguments, LoopArguments, ModelArguments, RFAArguments, train
+from hf_rfa.recipes.training import DataArguments, LoopArguments, ModelArguments, RFAArguments, train
 
 
 def main(argv: list[str] | None = None) -> dict:

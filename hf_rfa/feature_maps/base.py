@@ -142,7 +142,7 @@ class FeatureMap(nn.Module):
     def native_params(self, x_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, float, float] | None:
         """For maps of the positive-exponential form ``φ(x) = exp(x Wᵀ + bias − max)`` with log
         scale ``max + coef·‖x‖² + c0`` (inputs multiplied by ``x_scale``): ``(W [F,D], bias [F] or
-        None, coef, c0)``, detached, for the compiled CPU kernel (:mod:`hf_rfa.ops.native`). None
+        None, coef, c0)``, detached, for the compiled CPU kernel (:mod:`hf_rfa.ops.backends.native`). None
         (the default): the map has another form and always takes the PyTorch path."""
         return None
 

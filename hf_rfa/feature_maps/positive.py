@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..ops.kernels import active as _kernel_active, compiled as _compiled
+from ..ops.backends.kernels import active as _kernel_active, compiled as _compiled
 from ..ops.masks import exp_floor, needs_grad
 from .base import Features, upcast
 from .random_projections import RandomProjectionMap
@@ -55,7 +55,7 @@ def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bounded_exp(proj: torch.Tensor, token_term: torch.Tensor) -> Features:
-    """The pure form of :func:`_positive_features` that :mod:`hf_rfa.ops.kernels` compiles."""
+    """The pure form of :func:`_positive_features` that :mod:`hf_rfa.ops.backends.kernels` compiles."""
     c = proj.amax(dim=-1)
     return Features(torch.exp(proj - c.unsqueeze(-1)), c + token_term)
 

@@ -14,8 +14,8 @@
 """
 
 from .attention import random_feature_attention
-from .causal_infer import release_workspaces
-from .native import set_native
+from .backends.causal_infer import release_workspaces
+from .backends.native import set_native
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read

@@ -7,15 +7,20 @@ has q's dtype.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
-from . import native
+from .backends import kernels, native, resolve
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
+
+logger = logging.getLogger(__name__)
 
 
 def random_feature_attention(
@@ -30,6 +35,7 @@ def random_feature_attention(
     scale: float | None = None,
     chunk_size: int = 64,
     checkpoint_blocks: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -48,6 +54,9 @@ def random_feature_attention(
         checkpoint_blocks: training memory: for the pure causal path (``window == 0``) keep only
             each 512-token block's inputs and recompute its features in backward
             (activation memory O(N·D) instead of O(N·m); ~one extra forward of compute).
+        backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
+            ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
+            :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
@@ -72,18 +81,29 @@ def random_feature_attention(
     if not causal and window > 0 and nq != nk:
         raise ValueError(f"a bidirectional window needs Nq == Nk, got Nq={nq}, Nk={nk}")
     km = key_mask_bool(attention_mask, b, nk, q.device)
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
+    be = resolve(backend, grad=needs_grad(q, k, v, *params), causal=causal, device=q.device, dtype=ct)
+    # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
+    band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
+    logger.debug("random_feature_attention: backend %s (exact band: %s; requested %s)", be, band_be, backend)
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
-    out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks)
+    # a call that asked for another backend does not run the compiled kernels even where they are enabled
+    ctx = kernels.suppressed() if backend not in ("auto", "compiled") and kernels.compile_enabled() else contextlib.nullcontext()
+    with ctx:
+        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native")
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return out
 
 
-def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool) -> torch.Tensor:
-    """The computation of :func:`random_feature_attention` on checked arguments (``km [B, Nk]``
-    bool or None; ``window``, ``sinks`` at most Nk); returns ``[B, H, Nq, Dv]`` in q's dtype."""
+def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool) -> torch.Tensor:
+    """The computation of :func:`random_feature_attention` on checked arguments once the backend
+    is chosen (``km [B, Nk]`` bool or None; ``window``, ``sinks`` at most Nk; ``be``;
+    ``native_band``: the exact part of a causal hybrid runs the C++ kernel); returns
+    ``[B, H, Nq, Dv]`` in q's dtype."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     out_dtype = q.dtype
@@ -100,10 +120,9 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     fused = causal
     # bidirectional without window in inference: keys folded block by block, no [N, F] features
     if not causal and window == 0:
-        params = feature_map.parameters() if isinstance(feature_map, torch.nn.Module) else ()
-        fused = not needs_grad(q, k, v, *params)
+        fused = be != "torch"
     # exact part of a causal hybrid in inference: the compiled CPU kernel reads raw q/k/v
-    native_band = (window > 0 or sinks > 0) and causal and not needs_grad(q, k, v) and native.usable(q.device, ct)
+    native_band = native_band and (window > 0 or sinks > 0) and causal
     if not fused or ((window > 0 or sinks > 0) and not native_band) or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
     vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v
@@ -154,7 +173,7 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
                     ks, vs, lka = shift_keys(k, window, 0.0), shift_keys(vv, window, 0.0), (shift_keys(lk_add, window, 0.0) if lk_add is not None else None)
                     real = feat_mask if feat_mask is not None else torch.ones(b, nk, dtype=torch.bool, device=q.device)
                     kmask = shift_keys(real, window, False, dim=1)
-                part = causal_feature_attention(feature_map, q, ks, vs, kmask, lq_add, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks)[0]
+                part = causal_feature_attention(feature_map, q, ks, vs, kmask, lq_add, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks, backend=be)[0]
             else:
                 part = bidirectional_feature_attention(feature_map, q, k, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:

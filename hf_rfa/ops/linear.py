@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
-from . import kernels, native
-from .causal_infer import BlockWorkspace, causal_block_into, workspace
+from .backends import kernels, native, resolve
+from .backends.causal_infer import BlockWorkspace, causal_block_into, workspace
 from .masks import NEG, exp_floor, needs_grad
 from .partial import Partial, finalize
 from .recurrent import LinearState
@@ -148,7 +148,7 @@ def _causal_block(
 
 def _block_step(qf, lq, kf, lk, v, S, ref, chunk: int):
     """:func:`_causal_block` with the ones column appended to ``v`` (the unit compiled by
-    :mod:`hf_rfa.ops.kernels` when enabled)."""
+    :mod:`hf_rfa.ops.backends.kernels` when enabled)."""
     return _causal_block(qf, lq, kf, lk, _with_ones(v.to(qf.dtype)), S, ref, chunk)
 
 
@@ -194,7 +194,7 @@ def _causal_scan(
     normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial.
     ``checkpoint``: with autograd, recompute each block's features and products in backward
     instead of saving them (activation memory O(N·(D + Dv)) instead of O(N·F) per layer)."""
-    if infer and not kernels.compile_enabled() and not torch.compiler.is_compiling():
+    if infer and not kernels.wanted() and not torch.compiler.is_compiling():
         with torch.no_grad():
             return _causal_scan_into(get, plan, state, scaled, g, dest, eps)
     S, ref = _state_matrix(state, scaled)
@@ -340,6 +340,7 @@ def causal_feature_attention(
     x_scale: float = 1.0,
     out: torch.Tensor | None = None,
     checkpoint: bool = False,
+    backend: str | None = None,
 ) -> tuple[Partial | None, LinearState]:
     """Fused features + causal linear attention: the feature map is applied block by block.
 
@@ -351,7 +352,8 @@ def causal_feature_attention(
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
     masking, and calling :func:`causal_linear`, but never holds ``[N, F]`` features. Requires a
     per-token feature map (every map in this package is). ``checkpoint``: with autograd, save
-    only each block's inputs and recompute its features and products in backward.
+    only each block's inputs and recompute its features and products in backward. ``backend``:
+    the one :func:`hf_rfa.ops.backends.resolve` chose (None: ``"auto"`` for these inputs).
     """
     b, h, n, _ = xq.shape
     hkv = xk.shape[1]
@@ -362,8 +364,10 @@ def causal_feature_attention(
     ct = torch.float64 if xq.dtype == torch.float64 else torch.float32  # q/k/v may be bf16/fp16
     params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
     st_t = (state.S, state.z, state.ref) if state is not None else ()
-    infer = not needs_grad(xq, xk, v, lq_add, lk_add, *st_t, *params)
-    if infer and native.usable(xq.device, ct):
+    if backend is None:
+        backend = resolve("auto", grad=needs_grad(xq, xk, v, lq_add, lk_add, *st_t, *params), causal=True, device=xq.device, dtype=ct)
+    infer = backend != "torch"
+    if backend == "native":
         nparams = feature_map.native_params(x_scale)
         if nparams is not None:
             if state is None:
@@ -408,7 +412,7 @@ def causal_feature_attention(
 
 
 def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
-    """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.native`;
+    """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.backends.native`;
     its twin is the inference form :func:`_causal_scan_into`)."""
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]

@@ -35,10 +35,6 @@ class LinearState:
             log_gate_sum=torch.zeros(batch, kv_heads, device=device, dtype=dtype),
         )
 
-    def index_select(self, index: torch.Tensor) -> "LinearState":
-        """Reorder/select batch rows (beam search)."""
-        return LinearState(*(t.index_select(0, index.to(t.device)) for t in (self.S, self.z, self.ref, self.log_gate_sum)))
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.S, self.z, self.ref, self.log_gate_sum))
 

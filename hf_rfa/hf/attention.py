@@ -1,0 +1,159 @@
+"""The transformers side: the ``"rfa"`` attention function, its mask function, the per-layer module.
+
+Registered on import of ``hf_rfa``::
+
+    AttentionInterface.register("rfa", rfa_attention_forward)
+    AttentionMaskInterface.register("rfa", rfa_mask)
+
+The mask function hands the attention the 2-D padding mask ``[B, Nk]`` (never an N×N mask, and
+never ``None`` when the batch is padded — without it transformers silently drops padding).
+Converted self-attention modules carry an :class:`RFAAttention` child ``module.rfa``; modules
+without one (layers not selected, cross-attention) run exact softmax attention.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..feature_maps import FeatureMap
+from ..ops import random_feature_attention
+
+logger = logging.getLogger(__name__)
+
+ATTN_NAME = "rfa"
+
+
+class RFAAttention(nn.Module):
+    """Per-layer random feature attention: a feature map plus the hybrid settings.
+
+    Holds projections as buffers and learned parameters as parameters (saved with the model
+    under ``<attention module>.rfa.feature_map.*``). Called by :func:`rfa_attention_forward`;
+    PEFT's ``modules_to_save`` may wrap it, which is why the attention function *calls* it.
+    """
+
+    def __init__(
+        self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
+        checkpoint_blocks: bool = False, backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.feature_map = feature_map
+        self.window = int(window)
+        self.sinks = int(sinks)
+        self.chunk_size = int(chunk_size)
+        self.layer_idx = int(layer_idx)
+        self.checkpoint_blocks = bool(checkpoint_blocks)
+        self.backend = backend
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        causal: bool,
+        scale: float | None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """q ``[B, H, Nq, D]``, k/v ``[B, Hkv, Nk, D]``, mask ``[B, Nk]`` → ``[B, H, Nq, Dv]``."""
+        cache = kwargs.get("rfa_cache_layer")
+        if cache is not None:
+            return cache.attend(self, query, key, value, attention_mask, causal, scale)
+        return random_feature_attention(
+            query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
+            window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
+            checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}"
+
+
+def _padding_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -nk:].bool()
+    raise ValueError(
+        "attn_implementation='rfa' needs a 2-D padding mask [batch, keys]; got a "
+        f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)} (custom 4-D masks, "
+        "packed sequences and block masks cannot be expressed in linear attention)"
+    )
+
+
+def exact_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask2d: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention (SDPA) from a 2-D padding mask, for layers that are not converted."""
+    b, h, nq, _ = query.shape
+    nk = key.shape[2]
+    allowed = None
+    if causal:
+        t = torch.arange(nk - nq, nk, device=query.device).view(-1, 1)
+        allowed = (torch.arange(nk, device=query.device).view(1, -1) <= t).view(1, 1, nq, nk)
+    if mask2d is not None:
+        pad = mask2d.view(b, 1, 1, nk)
+        allowed = pad if allowed is None else allowed & pad
+    if allowed is not None:
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # fully padded rows: avoid NaN
+    if key.shape[1] != h:
+        rep = h // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scale)
+
+
+def rfa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature → ``(out [B, Nq, H, D], None)``."""
+    causal = kwargs.pop("is_causal", None)
+    if causal is None:
+        causal = bool(getattr(module, "is_causal", False))
+    mask2d = _padding_mask(attention_mask, key.shape[2])
+    rfa = getattr(module, "rfa", None)
+    if rfa is None:
+        out = exact_attention(query, key, value, mask2d, causal, scaling, dropout)
+    else:
+        out = rfa(query, key, value, mask2d, causal, scaling, **kwargs)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def rfa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function for ``"rfa"``: the 2-D padding mask ``[B, kv_length]`` (bool) or None."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:].bool()
+
+
+def register() -> None:
+    """Register ``"rfa"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, rfa_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, rfa_mask)

@@ -1,0 +1,342 @@
+"""Attach random feature attention to a transformers model; redraw; save/load round trip.
+
+``convert(model, RFAConfig(...))`` finds every self-attention module that goes through
+transformers' attention interface, attaches an :class:`~hf_rfa.attention.RFAAttention` child
+(``module.rfa``) built for that layer, stores the config in ``model.config.rfa_config`` and
+switches the model to ``attn_implementation="rfa"``. ``from_pretrained`` re-attaches before
+loading the saved projections and learned parameters, so a round trip gives identical logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .. import compat
+from .attention import ATTN_NAME, RFAAttention, register
+from ..config import CONFIG_ATTR, RFAConfig
+from ..feature_maps import FeatureMap, build_feature_map, derive_seed
+
+logger = logging.getLogger(__name__)
+
+
+def _uses_attention_interface(module: nn.Module) -> bool:
+    return compat.forward_uses_attention_interface(type(module))
+
+
+#: module-name fragments of cross-attention (kept exact: not converted)
+_CROSS_NAMES = ("crossattention", "encdecattention", "encoder_attn", "cross_attn")
+
+
+def _is_cross_attention(name: str, module: nn.Module) -> bool:
+    return bool(getattr(module, "is_cross_attention", False)) or "Cross" in type(module).__name__ or any(c in name.lower() for c in _CROSS_NAMES)
+
+
+def _sliding_window(module: nn.Module) -> str | None:
+    window = getattr(module, "sliding_window") if hasattr(module, "sliding_window") else getattr(getattr(module, "config", None), "sliding_window", None)
+    return f"sliding-window attention (sliding_window={window})" if window is not None else None
+
+
+def _soft_capping(module: nn.Module) -> str | None:
+    cap = getattr(module, "attn_logit_softcapping", None)
+    return f"attention-logit soft-capping (attn_logit_softcapping={cap})" if cap is not None else None
+
+
+def _learned_sinks(module: nn.Module) -> str | None:
+    return "learned attention sinks (a per-head sink logit)" if isinstance(getattr(module, "sinks", None), torch.Tensor) else None
+
+
+def _relative_bias(module: nn.Module) -> str | None:
+    if hasattr(module, "has_relative_attention_bias") or hasattr(module, "relative_attention_bias"):
+        return "a relative position bias added to the scores (T5-style)"
+    return None
+
+
+#: what random feature attention does not reproduce: each check returns the reason or None
+UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias)
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why converting this attention module would change its attention beyond the feature-map
+    approximation (``window >= N`` would no longer be exact), or None when it can be converted."""
+    return next((r for check in UNSUPPORTED_CHECKS if (r := check(module)) is not None), None)
+
+
+def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """Self-attention modules on the attention interface: ``[(name, module, layer_idx)]``.
+
+    ``layer_idx`` is the module's own ``layer_idx`` where it has one, else its order.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, RFAAttention) or not _uses_attention_interface(module):
+            continue
+        if _is_cross_attention(name, module):
+            continue
+        found.append((name, module))
+    out = []
+    for order, (name, module) in enumerate(found):
+        idx = getattr(module, "layer_idx", None)
+        out.append((name, module, idx if isinstance(idx, int) else order))
+    return out
+
+
+def _head_sizes(model: nn.Module, module: nn.Module) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim) of an attention module."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    if heads is None:
+        raise ValueError(f"cannot tell the number of attention heads of {type(model).__name__} from its config")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)
+    if head_dim is None:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return int(heads), int(kv), int(head_dim)
+
+
+def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> RFAAttention:
+    """The :class:`RFAAttention` of one layer: its feature map seeded from ``(seed, layer)``."""
+    options = dict(config.feature_map_options)
+    if config.feature_map == "rfa":
+        options["gate"] = config.gate
+    options.setdefault("num_heads", num_heads)
+    options.setdefault("num_kv_heads", num_kv_heads)
+    fm = build_feature_map(
+        config.feature_map, head_dim=head_dim, num_features=config.num_features,
+        seed=derive_seed(config.seed, "layer", layer_idx), **options,
+    )
+    return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend)
+
+
+def convert(model: nn.Module, config: RFAConfig | None = None, **overrides) -> nn.Module:
+    """Replace softmax attention of ``model`` by random feature attention, in place; returns it.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` whose attention uses the attention interface.
+        config: an :class:`RFAConfig` (default ``RFAConfig()``); ``**overrides`` edit its fields.
+    Raises:
+        ValueError: the model has no attention on transformers' attention interface (names its
+            class), ``config.layers`` names layers the model does not have, or a layer to convert
+            uses something the feature attention drops (a sliding window, logit soft-capping,
+            learned sinks, a relative position bias: :func:`unsupported_reason` names it).
+            Cross-attention is never converted (it stays exact).
+    """
+    register()
+    if config is None:
+        config = RFAConfig(**overrides)
+    elif overrides:
+        config = RFAConfig.from_dict({**config.to_dict(), **overrides})
+    if not hasattr(model, "config"):
+        raise ValueError(f"{type(model).__name__} is not a transformers model (no .config)")
+    modules = find_attention_modules(model)
+    if not modules or compat.can_set_attn_implementation(type(model)) is False:
+        raise ValueError(
+            f"{type(model).__name__}: no self-attention module goes through transformers' attention "
+            "interface (ALL_ATTENTION_FUNCTIONS.get_interface), so its attention cannot be swapped; "
+            "supported are models such as BERT, GPT-2, Llama, Mistral, Qwen2, Gemma"
+        )
+    present = {idx for _, _, idx in modules}
+    if config.layers is not None and not set(config.layers) <= present:
+        raise ValueError(f"layers {sorted(set(config.layers) - present)} not in the model (it has layers {sorted(present)})")
+    # every layer counts: the ones left unconverted run hf_rfa's plain softmax (exact_attention)
+    refused = [(name, idx, r) for name, module, idx in modules if (r := unsupported_reason(module))]
+    if refused:
+        name, idx, reason = refused[0]
+        raise ValueError(
+            f"{type(model).__name__}: layer {idx} ({name}) uses {reason}, which hf_rfa's attention does not "
+            f"reproduce ({len(refused)} such layer(s)); refusing to convert rather than change the model's attention silently"
+        )
+    converted = 0
+    for _name, module, idx in modules:
+        if hasattr(module, "rfa"):
+            del module.rfa
+        if not config.converts_layer(idx):
+            continue
+        heads, kv, head_dim = _head_sizes(model, module)
+        ref = next(module.parameters(), None)
+        layer = build_layer(config, idx, heads, kv, head_dim)
+        if ref is not None:
+            layer = layer.to(device=ref.device)
+        module.rfa = layer
+        converted += 1
+    setattr(model.config, CONFIG_ATTR, config.to_dict())
+    model.set_attn_implementation(ATTN_NAME)
+    logger.info("converted %d of %d attention layers of %s to %s", converted, len(modules), type(model).__name__, config.feature_map)
+    return model
+
+
+def rfa_config_of(model: nn.Module) -> RFAConfig | None:
+    """The :class:`RFAConfig` stored in ``model.config`` (None if not converted)."""
+    cfg = getattr(model, "config", None)
+    d = getattr(cfg, CONFIG_ATTR, None)
+    return RFAConfig.from_dict(d) if d else None
+
+
+def feature_maps(model: nn.Module) -> Iterator[FeatureMap]:
+    """Every feature map in the model (including copies made by PEFT's ``modules_to_save``)."""
+    for m in model.modules():
+        if isinstance(m, FeatureMap):
+            yield m
+
+
+@torch.no_grad()
+def redraw(model: nn.Module, step: int) -> int:
+    """Redraw the projections of every feature map from ``(seed, layer, step)``; returns the count.
+
+    Maps with trained projections (``learnable=True``) are left as they are (not counted)."""
+    n = 0
+    for fm in feature_maps(model):
+        if getattr(fm, "learnable", False):
+            continue
+        fm.redraw(step)
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _rfa_keys(state: dict) -> list[str]:
+    return [k for k in state if ".rfa." in k or k.startswith("rfa.")]
+
+
+_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The weight files of the checkpoint in folder ``path``: those its index names (sharded), else
+    its single ``model.safetensors`` / ``pytorch_model.bin`` — never other files that happen to lie
+    in the folder (a stale copy of another model). ValueError when the index is unreadable or names
+    a missing or non-local file, or when there are no weights."""
+    for index, single in _INDEXES:
+        ipath = os.path.join(path, index)
+        if os.path.isfile(ipath):
+            try:
+                with open(ipath, encoding="utf-8") as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"checkpoint index {ipath} is unreadable: {e}") from None
+            bad = [n for n in names if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")]
+            missing = [n for n in names if n not in bad and not os.path.isfile(os.path.join(path, n))]
+            if bad or missing:
+                raise ValueError(f"checkpoint index {ipath} names {'non-local' if bad else 'missing'} files {(bad or missing)[:3]}")
+            return names
+        if os.path.isfile(os.path.join(path, single)):
+            return [single]
+    raise ValueError(f"{path} holds no model.safetensors / pytorch_model.bin (nor a sharded index)")
+
+
+def verify_safetensors(path: str) -> None:
+    """ValueError naming the file when a weight file of the checkpoint is truncated or corrupt
+    (its header or its data length is wrong); checked before transformers reads them."""
+    from safetensors import safe_open
+
+    for f in checkpoint_files(path):
+        if not f.endswith(".safetensors"):
+            continue
+        full = os.path.join(path, f)
+        try:
+            with open(full, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n <= 100_000_000 else None
+            end = max((v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"), default=0)
+            if header is None or os.path.getsize(full) < 8 + n + end:
+                raise ValueError(f"{os.path.getsize(full)} bytes, the header needs {8 + n + end}")
+            with safe_open(full, framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure: a broken file, named
+            raise ValueError(f"weight file {full} is truncated or corrupt ({e})") from None
+
+
+def _read_rfa_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The ``rfa.*`` tensors of the checkpoint's own weight files; ValueError for a non-finite one."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        full = os.path.join(path, f)
+        if f.endswith(".safetensors"):
+            with safe_open(full, framework="pt") as fh:
+                found = {k: fh.get_tensor(k) for k in fh.keys() if ".rfa." in k or k.startswith("rfa.")}
+        else:
+            sd = torch.load(full, map_location="cpu", weights_only=True)
+            found = {k: sd[k] for k in _rfa_keys(sd)}
+        for k, t in found.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"feature-map tensor {k} in {full} holds NaN/inf values: refusing to load it")
+        out.update(found)
+    return out
+
+
+def _resolve_dir(name_or_path: str, **hub_kwargs) -> str:
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs)
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+
+
+def load_rfa_state(model: nn.Module, path: str) -> None:
+    """Load saved feature-map tensors into a converted model; ValueError if any is missing."""
+    saved = _read_rfa_tensors(path)
+    own = model.state_dict()
+    wanted = _rfa_keys(own)
+    prefix = getattr(model, "base_model_prefix", "")
+    mapped = {}
+    for key in wanted:
+        for cand in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
+            if cand in saved:
+                mapped[key] = saved[cand]
+                break
+    missing = sorted(set(wanted) - set(mapped))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} RFA tensors, e.g. {missing[:3]}")
+    model.load_state_dict(mapped, strict=False)
+
+
+def from_pretrained(name_or_path: str, model_class=None, **kwargs) -> nn.Module:
+    """Load a checkpoint saved from a converted model (local folder or Hub id).
+
+    Reads ``rfa_config`` from its config, loads the base weights with ``model_class`` (default:
+    the class named in ``config.architectures``), re-attaches the RFA modules, then loads the
+    saved projections and learned parameters — logits are identical to the saved model's.
+    """
+    from transformers import AutoConfig
+
+    register()
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir") if k in kwargs}
+    path = _resolve_dir(name_or_path, **hub_kwargs)
+    cfg = AutoConfig.from_pretrained(path)
+    d = getattr(cfg, CONFIG_ATTR, None)
+    if not d:
+        raise ValueError(f"{name_or_path} has no '{CONFIG_ATTR}' in its config.json: not a converted hf_rfa checkpoint (use hf_rfa.convert)")
+    rfa_cfg = RFAConfig.from_dict(d)
+    if model_class is None:
+        import transformers
+
+        arch = (cfg.architectures or [None])[0]
+        model_class = getattr(transformers, arch, None) if arch else None
+        if model_class is None:
+            raise ValueError(f"cannot tell the model class of {name_or_path}; pass model_class=")
+    verify_safetensors(path)
+    with _quiet_transformers():  # the rfa.* keys are reported as unexpected: we load them below
+        model = model_class.from_pretrained(path, attn_implementation=ATTN_NAME, **kwargs)
+    convert(model, rfa_cfg)
+    load_rfa_state(model, path)
+    return model

@@ -1,0 +1,105 @@
+"""Which implementation computes an attention call: a small registry and one visible rule.
+
+=============  ==================================================================================
+``torch``      the autograd forms (``ops.linear``, ``ops.hybrid``, ``ops.bidirectional``): training,
+               and the reference every other backend is tested against
+``inference``  the PyTorch inference form (:mod:`.causal_infer`: reused workspaces, in-place
+               passes; bidirectional keys folded block by block) — no autograd
+``compiled``   ``torch.compile``'d full blocks (:mod:`.kernels`; opt-in: ``hf_rfa.set_compile(True)``
+               or ``HF_RFA_COMPILE=1``) — no autograd
+``native``     the C++ CPU kernel (:mod:`.native`): the causal scan of the positive maps and the
+               exact window/sink band; other parts run the ``inference`` form — no autograd,
+               CPU float32 compute, where it builds (``hf_rfa.set_native`` / ``HF_RFA_NATIVE``)
+=============  ==================================================================================
+
+``backend="auto"`` (the default, per call of ``random_feature_attention`` and per model in
+``RFAConfig.backend``) is :func:`resolve`'s rule: with autograd ``torch``; without, the first
+available of ``compiled``, ``native``, ``inference``. A named backend is used as asked, or refused
+with a ValueError saying why (autograd, not built, not enabled). The chosen backend is logged at
+DEBUG level (logger ``hf_rfa.ops.attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import kernels, native
+
+
+@dataclass(frozen=True)
+class Backend:
+    """``available(device, compute dtype)``: whether it can run here; ``inference_only``: refuses
+    calls that record an autograd graph; ``causal_only``: it has kernels for causal calls only."""
+
+    name: str
+    description: str
+    inference_only: bool
+    available: Callable[[torch.device, torch.dtype], bool]
+    unavailable_hint: str = ""
+    causal_only: bool = False
+
+
+BACKENDS: dict[str, Backend] = {}
+#: ``auto`` without autograd: the first available of these
+AUTO_ORDER = ("compiled", "native", "inference")
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add a backend to :data:`BACKENDS` (names are unique)."""
+    if backend.name in BACKENDS or backend.name == "auto":
+        raise ValueError(f"backend name {backend.name!r} is already taken")
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+register_backend(Backend("torch", "autograd forms (training; the reference twin of every other backend)", False, lambda d, t: True))
+register_backend(Backend("inference", "PyTorch inference form (reused workspaces, in-place passes)", True, lambda d, t: True))
+register_backend(Backend(
+    "compiled", "torch.compile'd full blocks", True, lambda d, t: kernels.compile_enabled() and not torch.compiler.is_compiling(),
+    "enable it with hf_rfa.set_compile(True) or HF_RFA_COMPILE=1",
+))
+register_backend(Backend(
+    "native", "C++ CPU kernel (causal scan of positive maps, exact window/sink band)", True, native.usable,
+    "it needs a CPU, float32 compute, hf_rfa.set_native(True), the compile kernels off and a successful build",
+    causal_only=True,
+))
+
+
+def backend_names() -> tuple[str, ...]:
+    """``("auto", <registered names>...)``: the values ``backend=`` accepts."""
+    return ("auto", *BACKENDS)
+
+
+def check_name(backend: str) -> str:
+    if backend not in backend_names():
+        raise ValueError(f"backend must be one of {list(backend_names())}, got {backend!r}")
+    return backend
+
+
+def _fits(be: Backend, causal: bool, device: torch.device, dtype: torch.dtype) -> bool:
+    return (causal or not be.causal_only) and be.available(device, dtype)
+
+
+def resolve(backend: str, *, grad: bool, causal: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that runs a call: ``backend`` as asked (ValueError if it cannot), or for
+    ``"auto"`` ``torch`` when ``grad`` (an autograd graph is recorded) and otherwise the first
+    of :data:`AUTO_ORDER` that is available and has kernels for the call (``causal``)."""
+    check_name(backend)
+    if backend == "auto":
+        if grad:
+            return "torch"
+        return next((name for name in AUTO_ORDER if _fits(BACKENDS[name], causal, device, dtype)), "inference")
+    be = BACKENDS[backend]
+    if be.causal_only and not causal:
+        raise ValueError(f"backend={backend!r} has kernels for causal attention only (use 'auto', 'inference' or 'torch')")
+    if be.inference_only and grad:
+        raise ValueError(f"backend={backend!r} runs without autograd only; this call records a graph (use 'torch' or 'auto')")
+    if not be.available(device, dtype):
+        raise ValueError(f"backend={backend!r} is not available for {device.type} {dtype}: {be.unavailable_hint}")
+    return backend
+
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "register_backend", "resolve"]

@@ -1,0 +1,273 @@
+"""Attention transfer (LoLCATs stage 1) and a LoRA recovery stage (stage 2).
+
+Attention transfer trains *only* the feature-map parameters (Hedgehog's W_q/W_k and the hybrid
+mixing weight ``mix``) so that each converted layer's RFA output matches its softmax output::
+
+    loss_l = MSE( RFA_l(q_l, k_l, v_l),  softmax(q_l k_lᵀ·scale) v_l )      (per layer, pre o_proj)
+
+q, k, v of every layer come from one *softmax* forward of the model (:func:`calibration.capture`,
+no gradient); each layer's loss depends only on its own parameters, so all layers train at once
+from one captured forward without back-propagating through the model. The differentiable RFA
+output is the quadratic twin of the op (same result, fast backward on CPU at N ≈ 1–4k).
+
+Before training, :func:`init_mixing` sets each head's ``mix`` in closed form so that the feature
+part carries, on the first batch, the same (log-)mass as softmax puts on the keys outside the
+exact window and sinks.
+
+:func:`lora_finetune` then trains LoRA adapters (``hf_rfa.recipes.training.peft_utils.lora_config``) on
+next-token loss and merges them, returning a plain converted model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .calibration import Captured, attn_implementation, capture, rfa_layers, rfa_output
+from ...ops.masks import NEG, key_mask_bool, sink_mask
+
+logger = logging.getLogger(__name__)
+
+TRAIN_NAME = "hf_rfa_train"
+
+
+@dataclass
+class TransferResult:
+    """What a training stage did: tokens seen, optimiser steps, wall seconds, loss history."""
+
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        first = self.losses[0] if self.losses else None
+        last = self.losses[-1] if self.losses else None
+        return {"tokens": self.tokens, "steps": self.steps, "minutes": self.seconds / 60, "loss_first": first, "loss_last": last}
+
+
+def rfa_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable tensors of every converted layer's feature map (W, mix, ...)."""
+    return [p for rfa in rfa_layers(model).values() for p in rfa.parameters()]
+
+
+def _regions(cap: Captured, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, far) bool masks ``[B, 1, N, N]``: keys answered exactly / by the features."""
+    b, n = cap.q.shape[0], cap.k.shape[2]
+    t = torch.arange(n).view(-1, 1)
+    s = torch.arange(n).view(1, -1)
+    visible = (s <= t) if cap.causal else torch.ones(n, n, dtype=torch.bool)
+    visible = visible.view(1, 1, n, n)
+    km = key_mask_bool(cap.mask, b, n, cap.q.device)
+    if km is not None:
+        visible = visible & km.view(b, 1, 1, n)
+    exact = torch.zeros(1, 1, n, n, dtype=torch.bool)
+    if window > 0:
+        exact = (((s <= t) & (s > t - window)) if cap.causal else ((s - t).abs() < window)).view(1, 1, n, n)
+    if sinks > 0:
+        exact = exact | sink_mask(km, b, n, sinks, cap.q.device).view(b, 1, 1, n)
+    exact = exact & visible
+    return exact, visible & ~exact
+
+
+@torch.no_grad()
+def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
+    """Closed-form init of each hybrid head's ``mix``: mean over queries of
+    ``log Σ_far exp(q·k·scale) − log Σ_far φ(q)·φ(k)`` (far = keys not in window/sinks).
+
+    Returns the number of layers initialised (maps without ``hybrid_mix`` are skipped).
+    """
+    done = 0
+    for idx, rfa in rfa_layers(model).items():
+        fm = rfa.feature_map
+        if not getattr(fm, "hybrid_mix", False) or (rfa.window == 0 and rfa.sinks == 0) or idx not in caps:
+            continue
+        cap = caps[idx]
+        b, h, n, d = cap.q.shape
+        g = h // cap.k.shape[1]
+        scale = d**-0.5 if cap.scale is None else cap.scale
+        xq, xk = cap.q.float() * scale**0.5, cap.k.float() * scale**0.5
+        phi_q = fm.forward_queries(xq).phi
+        phi_k = fm.forward_keys(xk).phi.repeat_interleave(g, 1)
+        scores = xq @ xk.repeat_interleave(g, 1).transpose(-1, -2)  # [B,H,N,N]
+        _, far = _regions(cap, rfa.window, rfa.sinks)
+        far = far.expand(b, h, n, n)
+        target = torch.logsumexp(torch.where(far, scores, torch.full_like(scores, NEG)), -1)
+        feat = torch.log((phi_q @ phi_k.transpose(-1, -2) * far).sum(-1).clamp_min(1e-30))
+        rows = far.any(-1)  # [B,H,N]
+        diff = torch.where(rows, target - feat, torch.zeros_like(target)).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
+        if fm.mix.numel() == 1:
+            diff = diff.mean().view(1)
+        fm.mix.copy_(diff.to(fm.mix.dtype))
+        done += 1
+    logger.info("initialised the hybrid mix of %d layers from data", done)
+    return done
+
+
+def attention_transfer(
+    model: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
+    tokens: int,
+    lr: float = 1e-2,
+    max_seconds: float | None = None,
+    init_mix: bool = True,
+    progress: bool = True,
+    queries: int | None = None,
+) -> TransferResult:
+    """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
+
+    Args:
+        model: converted with :func:`hf_rfa.convert` (a learned map: ``hedgehog``, ``t2r``...).
+        batches: yields ``(input_ids [B, N], attention_mask | None)``; a seeded stream gives a
+            deterministic run (:func:`hf_rfa.recipes.evaluation.shuffled_batches`).
+        tokens: stop after this many (real) tokens; ``max_seconds`` stops earlier on wall time.
+        lr: Adam learning rate of the feature-map parameters.
+        init_mix: initialise the hybrid mixing weights from the first batch first.
+        queries: causal layers: fit only the last ``queries`` positions of each sequence (they
+            still attend over the whole context), which cuts the quadratic cost by N/queries.
+    Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
+    Raises ValueError when the converted layers have nothing to train (random maps).
+    """
+    from tqdm.auto import tqdm
+
+    params = rfa_parameters(model)
+    if not params:
+        raise ValueError("the converted model's feature maps have no trainable parameters (random maps need no transfer)")
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    layers = rfa_layers(model)
+    opt = torch.optim.Adam(params, lr=lr)
+    res = TransferResult()
+    start = time.perf_counter()
+    bar = tqdm(total=tokens, desc="attention transfer", unit="tok", disable=not progress)
+    was_training = model.training
+    model.eval()
+    try:
+        for ids, mask in batches:
+            caps = capture(model, ids, mask)
+            if init_mix and res.steps == 0:
+                init_mixing(model, caps)
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for idx, rfa in layers.items():
+                cap = caps[idx]
+                if queries is not None and cap.causal and queries < cap.q.shape[2]:
+                    cap = Captured(cap.q[:, :, -queries:], cap.k, cap.v, cap.out[:, :, -queries:], cap.mask, True, cap.scale)
+                pred = rfa_output(rfa, cap, differentiable=True)
+                diff = pred.float() - cap.out.float()
+                if cap.mask is not None:
+                    m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
+                    loss = (diff.pow(2) * m).sum() / (m.sum() * diff.shape[1] * diff.shape[-1]).clamp_min(1)
+                else:
+                    loss = diff.pow(2).mean()
+                (loss / len(layers)).backward()
+                total += float(loss.detach())
+            opt.step()
+            n = int(mask.sum()) if mask is not None else ids.numel()
+            res.tokens += n
+            res.steps += 1
+            res.losses.append(total / len(layers))
+            bar.update(n)
+            bar.set_postfix(mse=f"{res.losses[-1]:.2e}")
+            if res.tokens >= tokens or (max_seconds is not None and time.perf_counter() - start >= max_seconds):
+                break
+    finally:
+        bar.close()
+        for p, rg in frozen:
+            p.requires_grad_(rg)
+        model.train(was_training)
+    res.seconds = time.perf_counter() - start
+    logger.info("attention transfer: %d tokens, %d steps, %.1f min, mse %.3g -> %.3g", res.tokens, res.steps, res.seconds / 60, *(res.losses[0], res.losses[-1]))
+    return res
+
+
+# --------------------------------------------------------------------------- LoRA stage
+def _train_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function for training: the differentiable quadratic twin of the RFA op."""
+    from ...hf.attention import _padding_mask, rfa_attention_forward
+
+    rfa = getattr(module, "rfa", None)
+    if rfa is None:
+        return rfa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    causal = kwargs.pop("is_causal", None)
+    if causal is None:
+        causal = bool(getattr(module, "is_causal", False))
+    cap = Captured(query, key, value, None, _padding_mask(attention_mask, key.shape[2]), bool(causal), scaling)
+    return rfa_output(rfa, cap, differentiable=True).transpose(1, 2).contiguous(), None
+
+
+def register_train() -> None:
+    """Register the training attention function (quadratic twin) and its mask function."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ...hf.attention import rfa_mask
+
+    AttentionInterface.register(TRAIN_NAME, _train_forward)
+    AttentionMaskInterface.register(TRAIN_NAME, rfa_mask)
+
+
+def lora_finetune(
+    model: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
+    tokens: int,
+    lr: float = 1e-3,
+    r: int = 8,
+    max_seconds: float | None = None,
+    progress: bool = True,
+) -> tuple[nn.Module, TransferResult]:
+    """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
+    converted model and a :class:`TransferResult`. Feature maps stay frozen. Causal LMs only
+    (labels = inputs)."""
+    from peft import get_peft_model
+    from tqdm.auto import tqdm
+
+    from ..training.peft_utils import lora_config
+
+    register_train()
+    cfg = lora_config(model, r=r, train_feature_maps=False)
+    peft_model = get_peft_model(model, cfg)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    res = TransferResult()
+    start = time.perf_counter()
+    bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
+    base = peft_model.get_base_model()
+    peft_model.train()
+    try:
+        with attn_implementation(base, TRAIN_NAME):
+            for ids, mask in batches:
+                labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+                out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                n = int(mask.sum()) if mask is not None else ids.numel()
+                res.tokens += n
+                res.steps += 1
+                res.losses.append(float(out.loss.detach()))
+                bar.update(n)
+                bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
+                if res.tokens >= tokens or (max_seconds is not None and time.perf_counter() - start >= max_seconds):
+                    break
+    finally:
+        bar.close()
+    merged = peft_model.merge_and_unload()
+    merged.eval()
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    res.seconds = time.perf_counter() - start
+    logger.info("LoRA: %d tokens, %d steps, %.1f min, loss %.3f -> %.3f", res.tokens, res.steps, res.seconds / 60, res.losses[0], res.losses[-1])
+    return merged, res
+
+
+__all__ = ["TRAIN_NAME", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune", "register_train", "rfa_parameters"]

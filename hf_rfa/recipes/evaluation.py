@@ -1,0 +1,251 @@
+"""Quality measurements of original and converted checkpoints, and the text they read.
+
+- :func:`perplexity`: causal LMs, standard non-overlapping windows of ``context`` tokens; each
+  window predicts its tokens 1..context−1 from the tokens before them *in that window* (no
+  sliding stride, no carried state). With ``max_tokens`` a fixed number of windows, evenly spread
+  over the text, bounds the time; the returned ``tokens`` is the number of predicted tokens.
+- :func:`sentence_embeddings` / :func:`embedding_cosine`: encoders, mean pooling over real
+  tokens then L2 normalisation (as sentence-transformers does for all-MiniLM-L6-v2).
+- :func:`accuracy`: sequence classifiers on labelled texts.
+- Text sources (:func:`load_text`, :func:`load_labelled`): a file path, ``wikipedia:<split>`` /
+  ``rotten_tomatoes:<split>`` (offline assets, :mod:`hf_rfa.assets`), or a Hub dataset
+  ``<name>[:<config>]:<split>`` (``wikitext:wikitext-2-raw-v1:test``, ``sst2:validation``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_TEXT_COLUMNS = ("text", "sentence", "content")
+
+
+# --------------------------------------------------------------------------- text sources
+_FILE_SUFFIXES = (".txt", ".csv", ".json", ".jsonl", ".tsv", ".md")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` names a local path rather than a Hub id / dataset (``name[:config]:split``):
+    absolute or ``./``/``../``/``~`` relative, a file suffix, or its first component exists here."""
+    first = spec.replace("\\", "/").split("/")[0]
+    return (
+        spec.startswith(("/", "./", "../", "~"))
+        or spec.lower().endswith(_FILE_SUFFIXES)
+        or ("/" in spec and first not in ("", ".") and os.path.isdir(first))
+    )
+
+
+def _read_file(path: str, newline: str | None = None) -> str:
+    """The UTF-8 text of ``path``; ValueError naming the file when it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline=newline) as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text file {path} is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _nonempty(spec: str, items):
+    if not items:
+        raise ValueError(f"text source {spec!r} holds no text")
+    return items
+
+
+def _hub_dataset(spec: str):
+    """``name:split`` or ``name:config:split`` → a ``datasets.Dataset`` (needs the Hub or a cache)."""
+    from datasets import load_dataset
+
+    if looks_like_path(spec):
+        raise ValueError(f"text file {spec!r} not found")
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"text source {spec!r} is not a file, 'wikipedia:<split>', 'rotten_tomatoes:<split>', 'name:split' or 'name:config:split'")
+    name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
+    return load_dataset(name, config, split=split)
+
+
+def load_text(spec: str) -> str:
+    """One string of running text from a file, an offline asset split or a Hub dataset.
+
+    Raises ValueError for an unknown ``wikipedia:`` split or a dataset without a text column.
+    """
+    if os.path.isfile(spec):
+        text = _read_file(spec)
+        return _nonempty(spec, text if text.strip() else "")
+    if spec.startswith("wikipedia:"):
+        from .. import assets
+
+        return "\n\n".join(assets.wikipedia_split(spec.split(":", 1)[1]))
+    if spec.startswith("rotten_tomatoes:"):
+        return "\n".join(load_labelled(spec)[0])
+    ds = _hub_dataset(spec)
+    col = next((c for c in _TEXT_COLUMNS if c in ds.column_names), None)
+    if col is None:
+        raise ValueError(f"dataset {spec!r} has no text column (looked for {_TEXT_COLUMNS}; has {ds.column_names})")
+    return "\n".join(t for t in ds[col] if t)
+
+
+def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
+    """Texts and labels (None if the source has none): CSV file (``text[,label]``),
+    ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
+    if os.path.isfile(spec):
+        if spec.endswith(".csv"):
+            rows = _nonempty(spec, list(csv.DictReader(io.StringIO(_read_file(spec, newline="")))))
+            col = next((c for c in _TEXT_COLUMNS if rows and c in rows[0]), None)
+            if col is None:
+                raise ValueError(f"{spec}: CSV needs a text column (one of {_TEXT_COLUMNS})")
+            labels = [int(r["label"]) for r in rows] if rows and "label" in rows[0] else None
+            return [r[col] for r in rows], labels
+        return _nonempty(spec, [line.strip() for line in _read_file(spec).splitlines() if line.strip()]), None
+    if spec.startswith("rotten_tomatoes:"):
+        from .. import assets
+
+        rows = assets.rotten_tomatoes()[spec.split(":", 1)[1]]
+        return [r["text"] for r in rows], [int(r["label"]) for r in rows]
+    if spec.startswith("wikipedia:"):
+        return [p for p in load_text(spec).split("\n") if p.strip()], None
+    ds = _hub_dataset(spec)
+    col = next((c for c in _TEXT_COLUMNS if c in ds.column_names), None)
+    if col is None:
+        raise ValueError(f"dataset {spec!r} has no text column (looked for {_TEXT_COLUMNS}; has {ds.column_names})")
+    labels = list(ds["label"]) if "label" in ds.column_names else None
+    return list(ds[col]), labels
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids ``[N]`` (long) of a long text, no special tokens added."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence longer than the maximum" is expected here
+    try:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    finally:
+        hf_logging.set_verbosity(old)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def token_windows(ids: torch.Tensor, length: int, count: int | None = None) -> list[torch.Tensor]:
+    """Non-overlapping windows ``[length]`` of ``ids``; with ``count``, that many evenly spread
+    over the text (deterministic). ValueError when the text is shorter than one window."""
+    if length < 2:
+        raise ValueError(f"context must be >= 2 tokens, got {length}")
+    total = ids.numel() // length
+    if total == 0:
+        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of context={length}")
+    starts = list(range(total))
+    if count is not None and count < total:
+        starts = [int(i * total / count) for i in range(count)]
+    return [ids[s * length : (s + 1) * length] for s in starts]
+
+
+def shuffled_batches(ids: torch.Tensor, length: int, batch_size: int, seed: int):
+    """Endless stream of ``(input_ids [B, length], None)`` from non-overlapping windows, reshuffled
+    with a seeded generator at each pass (deterministic)."""
+    windows = token_windows(ids, length)
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(windows), generator=g).tolist()
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield torch.stack([windows[j] for j in order[i : i + batch_size]]), None
+        if len(order) < batch_size:
+            raise ValueError(f"need at least batch_size={batch_size} windows of {length} tokens, have {len(order)}")
+
+
+# --------------------------------------------------------------------------- causal LMs
+@torch.no_grad()
+def perplexity(
+    model: nn.Module,
+    ids: torch.Tensor,
+    context: int,
+    max_tokens: int | None = None,
+    progress: bool = True,
+    desc: str = "perplexity",
+) -> dict:
+    """Perplexity of ``model`` on token ids ``[N]`` with non-overlapping windows of ``context``.
+
+    Returns ``{"perplexity", "tokens" (predicted), "windows", "context"}``. ``max_tokens`` caps
+    the number of windows at ``max(1, max_tokens // context)``, spread evenly over the text.
+    """
+    from tqdm.auto import tqdm
+
+    count = None if max_tokens is None else max(1, max_tokens // context)
+    windows = token_windows(ids, context, count)
+    model.eval()
+    nll, n = 0.0, 0
+    kwargs = {"use_cache": False}
+    for w in tqdm(windows, desc=f"{desc} @{context}", disable=not progress, leave=False):
+        x = w.unsqueeze(0).to(next(model.parameters()).device)
+        logits = model(input_ids=x, **kwargs).logits[0, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+        n += x.shape[1] - 1
+    return {"perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context}
+
+
+# --------------------------------------------------------------------------- encoders
+def _encode(tokenizer, texts: list[str], max_length: int) -> dict:
+    return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+
+
+def sentence_batches(tokenizer, texts: list[str], batch_size: int, max_length: int = 128):
+    """``(input_ids [B, N], attention_mask [B, N])`` batches of ``texts`` in order (right-padded)."""
+    for i in range(0, len(texts), batch_size):
+        enc = _encode(tokenizer, texts[i : i + batch_size], max_length)
+        yield enc["input_ids"], enc["attention_mask"]
+
+
+@torch.no_grad()
+def sentence_embeddings(model: nn.Module, tokenizer, texts: list[str], batch_size: int = 32, max_length: int = 128, progress: bool = True) -> torch.Tensor:
+    """Mean-pooled, L2-normalised sentence embeddings ``[len(texts), hidden]``."""
+    from tqdm.auto import tqdm
+
+    model.eval()
+    base = getattr(model, "base_model", model)
+    out = []
+    for ids, mask in tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="embeddings", disable=not progress, leave=False):
+        h = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        m = mask.unsqueeze(-1).float()
+        e = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)
+        out.append(torch.nn.functional.normalize(e, dim=-1))
+    return torch.cat(out)
+
+
+def embedding_cosine(reference: torch.Tensor, other: torch.Tensor) -> dict:
+    """Cosine between matching rows of two normalised embedding matrices."""
+    cos = (reference * other).sum(-1)
+    return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()), "sentences": int(cos.numel())}
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], batch_size: int = 32, max_length: int = 128, progress: bool = True) -> dict:
+    """Accuracy of a sequence classifier: ``{"accuracy", "examples"}``."""
+    from tqdm.auto import tqdm
+
+    model.eval()
+    correct = 0
+    for i, (ids, mask) in enumerate(tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="accuracy", disable=not progress, leave=False)):
+        pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+        gold = torch.tensor(labels[i * batch_size : i * batch_size + len(pred)])
+        correct += int((pred == gold).sum())
+    return {"accuracy": correct / len(texts), "examples": len(texts)}
+
+
+__all__ = [
+    "accuracy",
+    "embedding_cosine",
+    "load_labelled",
+    "load_text",
+    "perplexity",
+    "sentence_batches",
+    "sentence_embeddings",
+    "shuffled_batches",
+    "token_windows",
+    "tokenize",
+]

@@ -1,0 +1,219 @@
+"""The conversion pipeline (hf_rfa.recipes.conversion.pipeline, conversion/*.py) on tiny models built in code.
+
+A tiny Llama / GPT-2 / BERT with a word-level tokenizer is saved to a temp folder; the scripts run
+end to end on it. One ``slow`` test converts the real SmolLM2-135M (quick settings).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_rfa
+from hf_rfa.recipes.conversion import pipeline
+from tiny_models import VOCAB, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script(name: str):
+    """conversion/<name>.py loaded by path (conversion/ is not put on sys.path: its evaluate.py
+    would shadow the ``evaluate`` package)."""
+    spec = importlib.util.spec_from_file_location(f"conversion_{name}", os.path.join(ROOT, "conversion", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WORDS = [f"w{i}" for i in range(VOCAB - 3)]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]", eos_token="[PAD]")
+
+
+def _text(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    # a little structure (repeated phrases) so that attention is not uniform
+    phrases = [" ".join(rng.choice(WORDS) for _ in range(6)) for _ in range(20)]
+    return "\n".join(" ".join(rng.choice(phrases) for _ in range(8)) for _ in range(n // 48 + 1))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """Folders of a tiny Llama, GPT-2 and BERT (+ tokenizer) and calibration/eval text files."""
+    root = tmp_path_factory.mktemp("tiny")
+    tok = _tokenizer()
+    out = {}
+    for fam in ("llama", "gpt2", "bert"):
+        m = tiny_model(fam)
+        d = root / fam
+        m.save_pretrained(d)
+        tok.save_pretrained(d)
+        out[fam] = str(d)
+    (root / "cal.txt").write_text(_text(3000, 0))
+    (root / "eval.txt").write_text(_text(3000, 1))
+    (root / "sent.txt").write_text("\n".join(" ".join(random.Random(i).choice(WORDS) for _ in range(12)) for i in range(40)))
+    out["cal"], out["eval"], out["sent"] = str(root / "cal.txt"), str(root / "eval.txt"), str(root / "sent.txt")
+    out["root"] = root
+    return out
+
+
+def _args(tiny, fam, output, *extra):
+    text = ["--calibration-text", tiny["sent"], "--eval-text", tiny["sent"]] if fam == "bert" else ["--calibration-text", tiny["cal"], "--eval-text", tiny["eval"]]
+    return ["--model", tiny[fam], "--output", str(output), "--num-features", "8", "--window", "4", "--sinks", "1",
+            "--transfer-tokens", "256", "--context", "32", "--eval-contexts", "32", "--eval-tokens", "256",
+            "--error-tokens", "64", "--random-num-features", "16", "--no-progress", *text, *extra]
+
+
+@pytest.mark.parametrize("fam", ["llama", "gpt2", "bert"])
+def test_convert_script_end_to_end(tiny_dir, tmp_path, fam):
+    script = _script("convert")
+
+    extra = ["--lora-tokens", "64"] if fam != "bert" else []
+    report = script.main(_args(tiny_dir, fam, tmp_path / "out", *extra))
+    out = tmp_path / "out"
+    for f in ("config.json", "model.safetensors", "README.md", "report.json", "RESULTS.md", "layer_errors.md", "layer_errors.png", "modeling_hf_rfa.py"):
+        assert (out / f).is_file(), f
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["stages"]["transfer"]["tokens"] >= 256
+    variants = [r["variant"] for r in rep["rows"]]
+    assert variants[0] == "original (softmax)" and len(variants) >= 3
+    card = (out / "README.md").read_text()
+    assert ("perplexity" in card) if fam != "bert" else ("cosine" in card)
+    # the export loads back with identical outputs
+    model, _, _ = pipeline.load_model(str(out))
+    assert hf_rfa.rfa_config_of(model).window == 4
+    assert report["output"] == str(out.resolve())
+
+
+def test_failed_run_leaves_no_output(tiny_dir, tmp_path, monkeypatch):
+    script = _script("convert")
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(pipeline.transfer, "attention_transfer", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        script.main(_args(tiny_dir, "llama", tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_refused(tiny_dir, tmp_path):
+    script = _script("convert")
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        script.main(_args(tiny_dir, "llama", tmp_path / "out"))
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
+    """--learnable-projections: favor+ gets a transfer stage that moves its projections."""
+    script = _script("convert")
+
+    script.main(_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections", "--no-baselines"))
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["stages"]["transfer"]["tokens"] >= 256
+    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
+    maps = list(hf_rfa.feature_maps(model))
+    assert all(fm.learnable for fm in maps)
+    assert any(not torch.equal(fm.omega.detach(), hf_rfa.build_feature_map("favor+", head_dim=fm.head_dim, num_features=8, seed=fm.seed).omega) for fm in maps)
+    with pytest.raises(ValueError, match="learnable_projections"):
+        pipeline.ConversionConfig(model="x", feature_map="hedgehog", learnable_projections=True)
+
+
+def test_bad_config_names_field():
+    with pytest.raises(ValueError, match="num_features"):
+        pipeline.ConversionConfig(model="x", num_features=0)
+    with pytest.raises(ValueError, match="eval_contexts"):
+        pipeline.ConversionConfig(model="x", eval_contexts=[])
+    with pytest.raises(ValueError, match="feature_map"):
+        pipeline.ConversionConfig(model="x", feature_map="nope")
+
+
+def test_evaluate_prints_json(tiny_dir, tmp_path):
+    script = os.path.join(ROOT, "conversion", "evaluate.py")
+    res = subprocess.run([sys.executable, script, "--model", tiny_dir["llama"], "--text", tiny_dir["eval"], "--context", "32", "--max-tokens", "128", "--no-progress"],
+                         capture_output=True, text=True, check=True)
+    line = json.loads(res.stdout.strip().splitlines()[-1])
+    assert line["tokens"] == 4 * 31 and line["perplexity"] > 1
+
+
+def test_evaluate_converted_checkpoint_matches_in_process(tiny_dir, tmp_path):
+    script = _script("evaluate")
+    conv = _script("convert")
+
+    conv.main(_args(tiny_dir, "llama", tmp_path / "out", "--no-baselines"))
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    final = [r for r in rep["rows"] if r["variant"] == rep["final_variant"]][0]
+    got = script.main(["--model", str(tmp_path / "out"), "--text", tiny_dir["eval"], "--context", "32", "--max-tokens", "256", "--no-progress"])
+    assert got["tokens"] == final["eval_tokens"]
+    assert got["perplexity"] == pytest.approx(final["perplexity"], rel=1e-4)
+
+
+def test_perplexity_windows_are_non_overlapping():
+    from hf_rfa.recipes.evaluation import token_windows
+
+    ids = torch.arange(100)
+    w = token_windows(ids, 10)
+    assert len(w) == 10 and torch.equal(torch.cat(w), ids)
+    w3 = token_windows(ids, 10, 3)
+    assert [int(x[0]) for x in w3] == [0, 30, 60]
+    with pytest.raises(ValueError, match="fewer than one window"):
+        token_windows(ids, 200)
+
+
+@pytest.mark.slow
+def test_smollm2_quick_conversion_improves_over_untrained(tmp_path):
+    from hf_rfa import assets
+
+    path = assets.smollm2_path()
+    cal = assets.wikipedia_text_file("calibration")
+    ev = assets.wikipedia_text_file("eval")
+    cfg = pipeline.ConversionConfig(
+        model=str(path), output=str(tmp_path / "out"), num_features=32, window=32, sinks=4,
+        transfer_tokens=4 * 512, context=512, eval_contexts=[512], eval_tokens=2048, error_tokens=512,
+        calibration_text=str(cal), eval_text=str(ev), baselines=False, generate_tokens=0, progress=False,
+    )
+    rep = pipeline.run(cfg)
+    rows = {r["variant"].split(", ")[-1]: r["perplexity"] for r in rep["rows"]}
+    assert rows["after attention transfer"] < rows["untrained"]
+
+
+def test_report_regenerates_from_committed_runs(tmp_path):
+    """conversion/RESULTS.md is rendered from the report.json copies kept in the repository: every
+    causal run's summary row is its last variant over the original at the same context."""
+    import glob
+
+    report = _script("report")
+
+    specs = sorted(glob.glob(os.path.join(ROOT, "conversion", "results", "runs", "*.json")))
+    assert specs, "no committed conversion runs"
+    text = report.render(specs)
+    for spec in specs:
+        label, rep = report.load_run(spec)
+        if rep["kind"] != "causal-lm":
+            continue
+        rows = rep["rows"]
+        for ctx in {r["context"] for r in rows}:
+            orig = next(r for r in rows if r["context"] == ctx and r["variant"].startswith("original"))
+            last = [r for r in rows if r["context"] == ctx and not r["variant"].startswith("original")][-1]
+            assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} |" in text
+    with pytest.raises(ValueError, match="no report.json"):
+        report.load_run(str(tmp_path))
