@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops import native
+from hf_rfa.ops.backends import native
 
 A = hf_rfa.random_feature_attention
 MAPS = hf_rfa.available_feature_maps()
