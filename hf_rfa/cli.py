@@ -159,6 +159,10 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.task in ("perplexity", "copy") and a.text is None:
         p.error(f"--task {a.task} needs --text")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1 (or omitted: all), got {a.max_tokens}")
+    if a.context < 2:
+        p.error(f"--context must be >= 2, got {a.context}")
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {a.task} is undefined")

@@ -8,6 +8,20 @@ from typing import Any
 
 from .feature_maps import available_feature_maps
 from .ops.backends import backend_names, check_name
+from .ops.masks import MAX_CHUNK, MAX_SINKS, check_int
+
+#: inclusive ranges of the integer fields (a config.json can carry any value: absurd ones are
+#: refused before they reach an allocation or a kernel)
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "num_features": (1, 65536),
+    "window": (0, 2**31 - 1),  # >= N: exact softmax
+    "sinks": (0, MAX_SINKS),
+    "redraw_interval": (0, 2**31 - 1),
+    "chunk_size": (1, MAX_CHUNK),
+    "seed": (-(2**63), 2**63 - 1),
+}
+#: largest layer index accepted in ``layers``
+_MAX_LAYER = 2**20
 
 #: attribute of ``model.config`` that carries the RFA settings through save/load/push_to_hub
 CONFIG_ATTR = "rfa_config"
@@ -41,12 +55,8 @@ class RFAConfig:
         names = available_feature_maps()
         if self.feature_map not in names:
             raise ValueError(f"feature_map must be one of {names}, got {self.feature_map!r}")
-        for name, minimum in (("num_features", 1), ("window", 0), ("sinks", 0), ("redraw_interval", 0), ("chunk_size", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        for name, (low, high) in _INT_RANGES.items():
+            check_int(name, getattr(self, name), low, high)
         for name in ("gate", "checkpoint_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
@@ -56,8 +66,9 @@ class RFAConfig:
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:
-            if isinstance(self.layers, (str, bytes)) or not all(isinstance(i, int) and i >= 0 for i in self.layers):
-                raise ValueError(f"layers must be None or a list of layer indices >= 0, got {self.layers!r}")
+            ok = isinstance(self.layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _MAX_LAYER for i in self.layers)
+            if not ok:
+                raise ValueError(f"layers must be None or a list of layer indices in [0, {_MAX_LAYER}], got {self.layers!r}")
             self.layers = sorted(set(self.layers))
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")

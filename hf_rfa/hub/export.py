@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from torch import nn
 
-from .. import compat
+from .. import compat, output_dir
 from ..config import CONFIG_ATTR, RFAConfig
 from .bundle import PACKAGE, bundle_sources, bundled_modules, flat_name  # noqa: F401 (re-exported)
 
@@ -219,7 +219,8 @@ def export(
         license: model card license (e.g. the base model's).
         repo_id: Hub id used in the card's loading snippets (default: the folder's path, with a
             note to replace it after uploading).
-        overwrite: replace a non-empty ``out_dir``.
+        overwrite: replace a non-empty ``out_dir`` — only one that hf_rfa wrote (it holds the
+            ``.hf_rfa-output`` marker). The folder is written aside and swapped in atomically.
         tokenizer: saved with the model (default: loaded from ``source_dir`` or the model's
             ``config._name_or_path``; a warning when there is none).
         source_dir: the folder the model was loaded from (default: ``config._name_or_path`` when
@@ -227,10 +228,8 @@ def export(
         dataset_name: the evaluation data named in the card's ``model-index``.
     Raises:
         ValueError: the model is not converted / not a transformers model, ``out_dir`` is not
-            empty, or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
+            empty (or not hf_rfa's, or a file), or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
     """
-    from .model_card import render_model_card
-
     rfa_config = _check_model(model)
     tags = _check_tags(tags)
     model_class = type(model)
@@ -243,13 +242,21 @@ def export(
         raise ValueError(f"no transformers Auto class maps to {model_class.__name__}; pass a model of a built-in architecture")
     if pipeline_tag is None:
         pipeline_tag = next((pipeline_tag_of(a) for a in autos if pipeline_tag_of(a)), None)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"out_dir {str(out)!r} is not empty (pass overwrite=True)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    final = output_dir.check_target(out_dir, overwrite, flag="overwrite=True", name="out_dir")
+    out = output_dir.staging_dir(final)  # written aside, swapped in at the end (nothing lost)
+    try:
+        _write(model, out, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return output_dir.publish(out, final)
 
+
+def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size) -> None:
+    """The files of :func:`export` written into the (staging) folder ``out``."""
+    from .model_card import render_model_card
+
+    model_class = type(model)
     logger.info("exporting %s (%s) to %s", model_class.__name__, rfa_config.feature_map, out)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
 

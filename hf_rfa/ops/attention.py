@@ -17,7 +17,7 @@ from .backends import kernels, native, resolve
 from .bidirectional import bidirectional_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
-from .masks import NEG, exp_floor, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -25,11 +25,6 @@ if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap
 
 logger = logging.getLogger(__name__)
-
-def _check_int(name: str, value, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 @no_autocast
@@ -72,40 +67,57 @@ def random_feature_attention(
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
+
+    Robustness: every argument is checked before any kernel runs (ValueError naming it); zero
+    B, N or Dv give an empty (or, with no keys, zero) result; padded keys change nothing, and a
+    non-finite query/key/value makes NaN exactly the rows softmax would make NaN (see
+    :func:`~hf_rfa.ops.masks.guard_inputs`); a float16 output is clamped to float16's range.
     """
     b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     if not isinstance(checkpoint_blocks, bool):
         raise ValueError(f"checkpoint_blocks must be True or False, got {checkpoint_blocks!r}")
+    if not all(hasattr(feature_map, a) for a in ("forward_queries", "forward_keys", "eps", "has_gate")):
+        raise ValueError(f"feature_map must be a hf_rfa FeatureMap (see hf_rfa.build_feature_map), got {type(feature_map).__name__}")
     if getattr(feature_map, "head_dim", d) != d:
         raise ValueError(f"feature map head_dim={feature_map.head_dim} does not match q/k head dim D={d}")
-    window, sinks = _check_int("window", window), _check_int("sinks", sinks)
-    _check_int("chunk_size", chunk_size, 1)
+    window, sinks = check_int("window", window), check_int("sinks", sinks, 0, MAX_SINKS)
+    check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
+    scale = check_scale(scale)
     if not causal and window > 0 and nq != nk:
         raise ValueError(f"a bidirectional window needs Nq == Nk, got Nq={nq}, Nk={nk}")
     null = getattr(feature_map, "null", False)
     if null and window == 0 and sinks == 0:
         raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
+    km = key_mask_bool(attention_mask, b, nk, q.device)
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     be = resolve(backend, grad=needs_grad(q, k, v, *params), causal=causal, device=q.device, dtype=ct)
     # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
     band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
     logger.debug("random_feature_attention: backend %s (exact band: %s; requested %s)", be, band_be, backend)
+    if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
+        return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
+    q, k, v, poison = guard_inputs(q, k, v, km, causal)
     # a call that asked for another backend does not run the compiled kernels even where they are enabled
     ctx = kernels.suppressed() if backend not in ("auto", "compiled") and kernels.compile_enabled() else contextlib.nullcontext()
     with ctx:
-        return _attention(q, k, v, feature_map, causal, attention_mask, window, sinks, scale, chunk_size, checkpoint_blocks, be, band_be == "native")
+        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native")
+    if poison is not None:
+        out = out.masked_fill(poison[..., None], float("nan"))
+    return out
 
 
-def _attention(q, k, v, feature_map, causal, attention_mask, window, sinks, scale, chunk_size, checkpoint_blocks, be: str, native_band: bool) -> torch.Tensor:
-    """:func:`random_feature_attention` once the backend is chosen (``be``; ``native_band``: the
-    exact part of a causal hybrid runs the C++ kernel)."""
+def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool) -> torch.Tensor:
+    """The computation of :func:`random_feature_attention` on checked arguments once the backend
+    is chosen (``km [B, Nk]`` bool or None; ``window``, ``sinks`` at most Nk; ``be``;
+    ``native_band``: the exact part of a causal hybrid runs the C++ kernel); returns
+    ``[B, H, Nq, Dv]`` in q's dtype."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    scale = d**-0.5 if scale is None else float(scale)
     out_dtype = q.dtype
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    km = key_mask_bool(attention_mask, b, nk, q.device)
     g = h // hkv
 
     if causal and nq < nk:  # queries are the last Nq positions: align them with their keys
@@ -191,13 +203,22 @@ def _attention(q, k, v, feature_map, causal, attention_mask, window, sinks, scal
             rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
             parts.append(Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3)))
     if fused_out is not None:
-        return fused_out.reshape(b, h, n, -1)[:, :, n - nq :].to(out_dtype)
+        return _to_dtype(fused_out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
     out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
     out = out.reshape(b, h, n, -1)[:, :, n - nq :]
-    return out.to(out_dtype)
+    return _to_dtype(out, out_dtype)
+
+
+def _to_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``; float16 is clamped to its finite range first (a signed map's floored
+    normaliser can give values beyond 65504; NaN stays NaN)."""
+    if dtype == torch.float16:
+        fmax = torch.finfo(torch.float16).max
+        out = out.clamp(-fmax, fmax)
+    return out.to(dtype)
 
 
 __all__ = ["random_feature_attention", "LinearState"]

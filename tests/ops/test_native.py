@@ -3,6 +3,8 @@ of the same op (``HF_RFA_NATIVE`` off) and the quadratic kernelised form."""
 
 import platform
 import shutil
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,23 +326,87 @@ def test_hybrid_with_band_kernel_matches_pytorch_path_and_softmax(name, pytorch_
     assert torch.equal(low, ref_low.bfloat16())
 
 
-def test_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
-    """A lock file left by a killed build would make torch's builder wait forever: an old one is
-    removed (with a warning), a fresh one (a build in progress elsewhere) is left alone."""
-    import os
-    import time
+class _FakeBuild:
+    """Stands in for torch's ``cpp_extension.load``: writes ``<name>.so`` when it is missing
+    (a "build") and records what it saw."""
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / "some_ext" / "lock"
-    lock.parent.mkdir()
-    lock.write_text("")
-    native._clear_stale_lock("some_ext")
-    assert lock.exists()
-    old = time.time() - native.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    with caplog.at_level("WARNING", logger="hf_rfa.ops.backends.native"):
-        native._clear_stale_lock("some_ext")
-    assert not lock.exists() and "stale build lock" in caplog.text
+    def __init__(self):
+        self.builds, self.saw = 0, []
+
+    def __call__(self, name, sources, build_directory, **kw):
+        lib = Path(build_directory) / f"{name}.so"
+        self.saw.append(lib.exists())
+        if not lib.exists():
+            self.builds += 1
+            lib.write_bytes(b"\x7fELF fresh build")
+        return types.SimpleNamespace(__file__=str(lib), available=lambda: True)
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension as cpp
+
+    fake = _FakeBuild()
+    monkeypatch.setattr(cpp, "load", fake)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    (tmp_path / "ext").mkdir(mode=0o755)
+    monkeypatch.setitem(native._STATE, "module", None)
+    monkeypatch.setitem(native._STATE, "failed", None)
+    return fake
+
+
+def _reset():
+    native._STATE["module"] = native._STATE["failed"] = None
+
+
+def test_build_is_verified_before_loading(fake_build, tmp_path):
+    """A library the marker does not vouch for (truncated, corrupted, left by a killed build) is
+    deleted and rebuilt, never loaded; a stale torch lock is removed."""
+    assert native.load() is not None and fake_build.builds == 1
+    folder = tmp_path / "ext" / native._build_name()
+    lib = folder / f"{native._build_name()}.so"
+    _reset()
+    assert native.load() is not None and fake_build.builds == 1  # verified: loaded as is
+    lib.write_bytes(b"\x7fELF trunc")  # corrupted after the build
+    (folder / "lock").write_text("")  # torch's lock of a killed build
+    _reset()
+    assert native.load() is not None and fake_build.builds == 2 and fake_build.saw[-1] is False
+    assert not (folder / "lock").exists()
+
+
+def test_build_lock_wait_times_out_to_the_pytorch_path(fake_build, tmp_path, monkeypatch, caplog):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ext" / native._build_name()
+    folder.mkdir(parents=True, mode=0o755)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"), str(folder / "hf_rfa.lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        monkeypatch.setenv("HF_RFA_NATIVE_LOCK_TIMEOUT", "0.5")
+        with caplog.at_level("WARNING", logger="hf_rfa.ops.backends.native"):
+            assert native.load() is None
+        assert "waited" in native._STATE["failed"] and fake_build.builds == 0
+        assert not native.usable(torch.device("cpu"), torch.float32)  # callers take the PyTorch path
+    finally:
+        holder.kill()
+        holder.wait()
+    _reset()
+    assert native.load() is not None  # the holder died: its lock went with it
+
+
+def test_build_folder_writable_by_others_is_refused(fake_build, tmp_path):
+    folder = tmp_path / "ext" / native._build_name()
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    assert native.load() is None and "writable by other users" in native._STATE["failed"] and fake_build.builds == 0
+    folder.chmod(0o755)
+    _reset()
+    (tmp_path / "ext").chmod(0o777)  # a parent others can write (and not sticky)
+    assert native.load() is None and "writable by other users" in native._STATE["failed"]
 
 
 @needs_kernel

@@ -65,6 +65,7 @@ def assets(tmp_path_factory) -> dict[str, str]:
         "bert": lambda: tf.BertModel(tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)),
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, pad_token_id=0, **common)),
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0)),
+        "gpt2_dropout": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=0)),  # dropout 0.1
     }
     out = {}
     for name, make in models.items():
@@ -340,3 +341,76 @@ def test_deepspeed_is_reported_when_unavailable():
         pytest.skip("deepspeed installed: run training/run_deepspeed.sh on GPUs")
     readme = open(os.path.join(ROOT, "training", "README.md")).read()
     assert "DeepSpeed" in readme and "not installed" in readme
+
+
+class _Payload:
+    """Unpickling this runs code (what a crafted checkpoint file would do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_latest_checkpoint_skips_incomplete(tmp_path):
+    from hf_rfa.recipes.training import latest_checkpoint
+    from hf_rfa.recipes.training.loop import COMPLETE_FILE
+
+    for n in (3, 6, 9):
+        (tmp_path / f"step_{n}").mkdir()
+    for n in (3, 6):
+        (tmp_path / f"step_{n}" / COMPLETE_FILE).write_text(str(n))
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_6")  # step_9: killed while saving
+
+
+def test_train_state_json_rejects_bad_values(tmp_path):
+    from hf_rfa.recipes.training import TrainState
+
+    state = TrainState(completed_steps=3, losses=[1.5])
+    state.save_json(str(tmp_path))
+    other = TrainState()
+    other.load_json(str(tmp_path))
+    assert other == state
+    for bad in ({"completed_steps": "3"}, {"evil": 1}, {"losses": ["x"]}, {"epoch": -1}):
+        with pytest.raises(ValueError, match="train state"):
+            other.load_state_dict(bad)
+
+
+def test_resume_latest_never_unpickles_state_and_keeps_log_unique(assets, tmp_path):
+    """Resume in the same folder after the run was 'killed' while saving step_6: latest picks the
+    complete step_3; a planted custom_checkpoint pickle is refused (never loaded); once it is
+    removed, log.jsonl lists each step once and the losses equal the uninterrupted run's."""
+    import pickle
+
+    out = tmp_path / "run"
+    args = _acc_args(assets, out, per_device_train_batch_size=8, gradient_accumulation_steps=2, checkpointing_steps=3)
+    _launch("train_accelerate.py", args, 1)
+    full = _results(out)
+    assert (out / "step_3" / "train_state.json").is_file() and not glob.glob(str(out / "step_*" / "custom_checkpoint_*.pkl"))
+    os.remove(out / "step_6" / "COMPLETE")  # killed while saving step_6
+    sentinel = tmp_path / "pwned"
+    with open(out / "step_3" / "custom_checkpoint_0.pkl", "wb") as f:
+        pickle.dump(_Payload(str(sentinel)), f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([PY, os.path.join(ROOT, "training", "train_accelerate.py"), *args, "--resume_from_checkpoint", "latest"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "never unpickles" in proc.stderr and not sentinel.exists()
+    os.remove(out / "step_3" / "custom_checkpoint_0.pkl")
+    _launch("train_accelerate.py", args + ["--resume_from_checkpoint", "latest"], 1)
+    resumed = _results(out)
+    with open(out / "log.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert _rel(resumed["losses"], full["losses"]) <= RESUME_LOSS_REL
+
+
+def test_resume_with_dropout_is_exact(assets, tmp_path):
+    """GPT-2's default dropout (0.1): the resumed run draws the same dropout masks (RNG states
+    restored after the resumed data iterator is created)."""
+    a = _acc_args(assets, tmp_path / "a", "gpt2_dropout", per_device_train_batch_size=4, checkpointing_steps=3)
+    _launch("train_accelerate.py", a, 1)
+    full = _results(tmp_path / "a")
+    b = _acc_args(assets, tmp_path / "b", "gpt2_dropout", per_device_train_batch_size=4, resume_from_checkpoint=tmp_path / "a" / "step_3")
+    _launch("train_accelerate.py", b, 1)
+    resumed = _results(tmp_path / "b")
+    assert _rel(resumed["losses"], full["losses"]) <= RESUME_LOSS_REL

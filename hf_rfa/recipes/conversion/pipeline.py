@@ -17,11 +17,12 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
+import math
 import os
 import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import output_dir
 from .. import evaluation, long_range
 from . import calibration, transfer
 from ...config import CONFIG_ATTR, RFAConfig
@@ -107,8 +109,16 @@ class ConversionConfig:
             raise ValueError(f"eval_contexts must be a non-empty list of ints >= 2, got {self.eval_contexts!r}")
         for name in ("transfer_minutes", "lora_minutes"):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be None or >= 0, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise ValueError(f"{name} must be None or a finite number >= 0, got {v!r}")
+        for name in ("transfer_lr", "lora_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("eval_tokens", "transfer_queries"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
         RFAConfig(feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks)
         if self.learnable_projections:
             from ...feature_maps import feature_map_class
@@ -145,11 +155,22 @@ def resolve_checkpoint(spec: str) -> str:
 
         if not os.path.isfile(spec):
             raise ValueError(f"model: GGUF file {spec!r} not found")
-        out = assets.cache_dir() / "gguf" / Path(spec).stem
+        out = assets.cache_dir() / "gguf" / f"{Path(spec).stem}-{_content_key(spec)}"  # keyed on content, not name
         if not (out / "config.json").is_file():
             assets.gguf_to_hf(spec, out, overwrite=True)
         return str(out)
+    if not os.path.isdir(spec) and evaluation.looks_like_path(spec):
+        raise ValueError(f"model: local folder {spec!r} not found (a Hub id looks like 'org/name')")
     return spec
+
+
+def _content_key(path: str) -> str:
+    """First 16 hex digits of the file's SHA-256."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any, str]:
@@ -182,17 +203,15 @@ class _Timer:
         return (time.perf_counter() - self.start) / 60
 
 
-def _tmp_dir(output: Path, overwrite: bool) -> Path:
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise ValueError(f"output {str(output)!r} exists and is not empty (pass --overwrite)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{output.name}.", dir=output.parent))
+def _tmp_dir(output: Path, overwrite: bool, inputs: tuple = ()) -> Path:
+    """A staging folder next to ``output`` once ``output`` may be written: empty, or written by
+    hf_rfa with --overwrite, and not containing any input (:func:`output_dir.check_target`)."""
+    output_dir.check_target(output, overwrite, inputs, flag="--overwrite")
+    return output_dir.staging_dir(output)
 
 
 def _publish(tmp: Path, output: Path) -> None:
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(tmp, output)
+    output_dir.publish(tmp, output)  # old result aside, new one in, old one deleted
 
 
 def _rows_markdown(rows: list[dict]) -> str:
@@ -221,7 +240,7 @@ def run(cfg: ConversionConfig) -> dict:
     torch.manual_seed(cfg.seed)
     report_plot = plotting_available()  # checked before any expensive stage
     output = Path(cfg.output).resolve()
-    tmp = _tmp_dir(output, cfg.overwrite)
+    tmp = _tmp_dir(output, cfg.overwrite, (cfg.model, cfg.calibration_text, cfg.train_text, cfg.eval_text))
     try:
         report = _run(cfg, tmp, plot=report_plot)
         _publish(tmp, output)

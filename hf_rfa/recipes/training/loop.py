@@ -5,8 +5,11 @@ gradient accumulation, mixed precision, gradient clipping, an LR schedule, evalu
 progress bar and logging (``output_dir/log.jsonl``), and resumable checkpoints.
 
 Exact resume: ``accelerator.save_state`` stores model, optimizer, scheduler and RNG states;
-:class:`TrainState` (registered for checkpointing) stores the optimizer step, the epoch, the
-position inside the epoch and the redraw step. The data order of epoch ``e`` is a seeded
+:class:`TrainState` — the optimizer step, the epoch, the position inside the epoch and the
+redraw step — is saved as JSON (``train_state.json``, never a pickle: a crafted checkpoint cannot
+run code on resume), and a checkpoint counts as complete only once its ``COMPLETE`` file is
+written last (``latest`` skips one a killed run left half-written). A resumed run drops the
+records after the checkpoint's step from ``log.jsonl`` before appending its own. The data order of epoch ``e`` is a seeded
 permutation (``use_seedable_sampler``, ``set_epoch(e)``) and a resumed run skips the batches
 already consumed, so it continues exactly where the interrupted run was.
 
@@ -36,6 +39,8 @@ from .modeling import apply_lora, build_model, load_tokenizer, projection_finger
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "step_"
+#: the loop position of a checkpoint (JSON) and the file written last when it is complete
+TRAIN_STATE_FILE, COMPLETE_FILE = "train_state.json", "COMPLETE"
 
 
 @dataclass
@@ -52,16 +57,64 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Set the fields from ``state``; ValueError for unknown fields or values of the wrong type."""
+        if not isinstance(state, dict) or set(state) - set(asdict(self)):
+            raise ValueError(f"train state must be a dict of the fields {sorted(asdict(self))}, got {state!r:.200}")
         for key, value in state.items():
-            setattr(self, key, value)
+            ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value) if key == "losses" else isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            if not ok:
+                raise ValueError(f"train state field {key} has a bad value {value!r:.200}")
+            setattr(self, key, list(value) if key == "losses" else value)
+
+    def save_json(self, folder: str) -> None:
+        """Write ``folder/train_state.json`` (atomically)."""
+        path = os.path.join(folder, TRAIN_STATE_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(self.state_dict(), f)
+        os.replace(path + ".tmp", path)
+
+    def load_json(self, folder: str) -> None:
+        """Read ``folder/train_state.json`` (JSON only: nothing is unpickled)."""
+        path = os.path.join(folder, TRAIN_STATE_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {folder!r} has no {TRAIN_STATE_FILE} (incomplete, or written by an older hf_rfa)")
+        with open(path, encoding="utf-8") as f:
+            self.load_state_dict(json.load(f))
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """Newest ``output_dir/step_N`` folder, or None."""
+    """Newest *complete* ``output_dir/step_N`` folder (one holding ``COMPLETE``), or None."""
     if not os.path.isdir(output_dir):
         return None
     steps = [(int(m.group(1)), d) for d in os.listdir(output_dir) if (m := re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", d))]
-    return os.path.join(output_dir, max(steps)[1]) if steps else None
+    complete = [(n, d) for n, d in steps if os.path.isfile(os.path.join(output_dir, d, COMPLETE_FILE))]
+    if len(complete) < len(steps):
+        logger.warning("skipping incomplete checkpoints %s", sorted(d for n, d in set(steps) - set(complete)))
+    return os.path.join(output_dir, max(complete)[1]) if complete else None
+
+
+def save_checkpoint(accelerator, state: TrainState, folder: str) -> None:
+    """``accelerator.save_state`` + the JSON train state, then ``COMPLETE`` once every process is done."""
+    accelerator.save_state(folder)
+    if accelerator.is_main_process:
+        state.save_json(folder)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(folder, COMPLETE_FILE), "w", encoding="utf-8") as f:
+            f.write(f"{state.completed_steps}\n")
+
+
+def trim_log(log_path: str, completed_steps: int) -> None:
+    """Drop the records of ``log.jsonl`` after ``completed_steps`` (a resumed run replays them)."""
+    if not os.path.isfile(log_path):
+        return
+    with open(log_path, encoding="utf-8") as f:
+        lines = [ln for ln in f if ln.strip()]
+    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= completed_steps]
+    if len(keep) < len(lines):
+        with open(log_path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(log_path + ".tmp", log_path)
 
 
 def _unwrapped_config_owner(model):
@@ -157,8 +210,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     # the prepared scheduler steps once per process per optimizer step (as in transformers' examples)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps * accelerator.num_processes, num_training_steps=max(max_steps, 1) * accelerator.num_processes)
     scheduler = accelerator.prepare(scheduler)
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
+    state = TrainState()  # saved as JSON next to accelerate's files (not registered: that would pickle it)
 
     resume = args.resume_from_checkpoint
     if resume == "latest":
@@ -166,14 +218,24 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     if resume:
         if not os.path.isdir(resume):
             raise ValueError(f"resume_from_checkpoint {resume!r} is not a checkpoint folder")
+        pickles = sorted(f for f in os.listdir(resume) if f.startswith("custom_checkpoint_"))
+        if pickles:  # accelerate would unpickle them (arbitrary code); hf_rfa never writes them
+            raise ValueError(f"checkpoint {resume!r} holds {pickles}: hf_rfa saves its training state as JSON and never unpickles one; remove these files to resume")
         accelerator.load_state(resume)
+        state.load_json(resume)
         if interval and state.redraw_step:
             redraw(model, state.redraw_step)  # projections are a function of the step: restore exactly
         logger.info("resumed from %s at optimizer step %d (epoch %d, step %d in epoch)", resume, state.completed_steps, state.epoch, state.steps_in_epoch)
+    # the checkpoint's RNG state (restored by load_state): creating the resumed data iterator draws
+    # from the global generator (DataLoader's base seed), which the interrupted run had done before
+    # its first step, so the state is set again once that iterator exists — dropout masks match
+    rng_at_resume = torch.get_rng_state() if resume else None
 
     total_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     logger.info("%d examples, %d optimizer steps (%d per epoch), global batch %d, redraw every %d steps", len(data.train), max_steps, steps_per_epoch, total_batch, interval)
     log_path = os.path.join(args.output_dir, "log.jsonl")
+    if resume and accelerator.is_main_process:
+        trim_log(log_path, state.completed_steps)
     progress = tqdm(total=max_steps, initial=state.completed_steps, desc="training", disable=args.disable_tqdm or not accelerator.is_local_main_process)
     fingerprints = check_projections_in_sync(accelerator, model)
     model.train()
@@ -186,6 +248,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         skip = state.steps_in_epoch * args.gradient_accumulation_steps
         loader = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
         for batch in loader:
+            if rng_at_resume is not None:
+                torch.set_rng_state(rng_at_resume)
+                rng_at_resume = None
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -216,7 +281,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
                     with open(log_path, "a") as f:
                         f.write(json.dumps(record) + "\n")
             if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
-                accelerator.save_state(os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.completed_steps}"))
+                save_checkpoint(accelerator, state, os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.completed_steps}"))
             if eval_dl is not None and args.eval_steps and state.completed_steps % args.eval_steps == 0:
                 metrics = evaluate(accelerator, model, eval_dl, data_args.task)
                 logger.info("step %d: %s", state.completed_steps, metrics)

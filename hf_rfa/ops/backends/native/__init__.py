@@ -27,7 +27,9 @@ segments (their state increments first, in parallel, then every segment from its
 so a model with few kv heads still uses every thread.
 
 Anything else (no compiler, a build error, GPUs, training) takes the PyTorch path; a failed build is
-logged once as a warning and not retried in the process.
+logged once as a warning and not retried in the process. The build folder must be private, a
+library is loaded only when verified, and waiting for another process's build times out
+(:mod:`.build`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 
 from .. import kernels
 from .... import compat
+from . import build
 
 logger = logging.getLogger(__name__)
 
@@ -107,26 +110,6 @@ def _import_ninja():
     return ninja
 
 
-#: a build lock older than this is taken as left behind by a killed build (torch would wait forever)
-STALE_LOCK_S = 900.0
-
-
-def _clear_stale_lock(name: str) -> None:
-    """torch's builder serialises builds with a lock file and waits while it exists; a process
-    killed mid-build leaves it behind and every later load would hang. Remove it when it is older
-    than :data:`STALE_LOCK_S` (a build takes about a minute)."""
-    import time
-
-    lock = compat.extension_build_dir(name) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("hf_rfa: removing a stale build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
-
-
 def _staged_source(name: str) -> Path:
     """The source copied into the build folder: the build then names the same path from every
     checkout, so torch/ninja see no change and never rebuild when another checkout loads it."""
@@ -155,15 +138,20 @@ def load(verbose: bool = False):
                 if not _ninja_on_path():
                     raise RuntimeError("ninja not found (pip install ninja)")
                 name = _build_name()
-                _clear_stale_lock(name)
-                logger.info("hf_rfa: building the native CPU kernel %s (once, about a minute)", name)
-                mod = _load(
-                    name=name,
-                    sources=[str(_staged_source(name))],
-                    extra_cflags=list(CFLAGS),
-                    extra_ldflags=list(LDFLAGS),
-                    verbose=verbose,
-                )
+                folder = compat.extension_build_dir(name)
+                build.check_folder(folder)
+                with build.build_lock(folder, build.lock_timeout()):
+                    build.drop_unverified(folder)
+                    logger.info("hf_rfa: loading the native CPU kernel %s (built once, about a minute)", name)
+                    mod = _load(
+                        name=name,
+                        sources=[str(_staged_source(name))],
+                        extra_cflags=list(CFLAGS),
+                        extra_ldflags=list(LDFLAGS),
+                        build_directory=str(folder),
+                        verbose=verbose,
+                    )
+                    build.record(folder, Path(mod.__file__))
                 if not mod.available():
                     raise RuntimeError("this PyTorch build exports no sgemm (no MKL)")
                 _STATE["module"] = mod

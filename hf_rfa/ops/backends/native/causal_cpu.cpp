@@ -101,6 +101,21 @@ inline void load_rows(const T* src, int64_t stride, int R, int D, float* dst) {
     for (int d = 0; d < D; ++d) dst[(int64_t)r * D + d] = static_cast<float>(src[r * stride + d]);
 }
 
+// largest chunk length accepted (the per-thread tiles are C x C floats)
+constexpr int64_t kMaxChunk = 4096;
+
+// sizes both kernels rely on: 4-D q/k/v, kv heads dividing the query heads, matching batch,
+// length and head dim, 1 <= chunk <= kMaxChunk (the Python wrappers check these first; this
+// keeps a direct call from dividing by zero or allocating chunk^2 floats)
+void check_sizes(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, int64_t chunk) {
+  TORCH_CHECK(xq.dim() == 4 && xk.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  TORCH_CHECK(xk.size(1) >= 1 && xq.size(1) % xk.size(1) == 0, "kv heads must be >= 1 and divide the query heads");
+  TORCH_CHECK(xq.size(0) == xk.size(0) && xk.size(0) == v.size(0) && xq.size(2) == xk.size(2) && xk.size(2) == v.size(2),
+              "q, k, v must agree in batch and length");
+  TORCH_CHECK(xq.size(3) == xk.size(3) && xk.size(1) == v.size(1), "q/k head dim and k/v heads must agree");
+  TORCH_CHECK(chunk >= 1 && chunk <= kMaxChunk, "chunk must be in [1, 4096]");
+}
+
 template <typename T>
 void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const at::Tensor& W, const at::Tensor& bias,
          double coef, double c0, const at::Tensor& key_mask, const at::Tensor& lk_add, at::Tensor& S, at::Tensor& ref,
@@ -124,7 +139,7 @@ void run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, const 
   const int64_t sqn = xq.stride(2), sqh = xq.stride(1), sqb = xq.stride(0);
   const int64_t skn = xk.stride(2), skh = xk.stride(1), skb = xk.stride(0);
   const int64_t svn = v.stride(2), svh = v.stride(1), svb = v.stride(0);
-  const int C = (int)chunk;
+  const int C = (int)std::min<int64_t>(chunk, N);  // checked 1 <= chunk <= kMaxChunk, N >= 1 by the caller
   const float fl = (float)floor_;
 
   // the state's value part Sv [F,Dv] and its denominator part z [F] are kept apart: every
@@ -343,6 +358,8 @@ void causal_positive(const at::Tensor& xq, const at::Tensor& xk, const at::Tenso
                      at::Tensor mt_out, at::Tensor lq_out, int64_t segments) {
   TORCH_CHECK(W.is_contiguous() && S.is_contiguous() && ref.is_contiguous() && out.is_contiguous(), "contiguous buffers");
   TORCH_CHECK(W.scalar_type() == at::kFloat && S.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 buffers");
+  check_sizes(xq, xk, v, chunk);
+  if (xq.numel() == 0 || v.size(3) == 0) return;  // nothing to compute (and no task to divide by)
   dispatch_qkv(xq, xk, v, [&](auto tag) {
     run<decltype(tag)>(xq, xk, v, W, bias, coef, c0, key_mask, lk_add, S, ref, chunk, eps, floor_, out, mt_out, lq_out, segments);
   });
@@ -360,7 +377,7 @@ void band_run(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v, d
               at::Tensor& num, at::Tensor& den, at::Tensor& ls) {
   const int64_t B = xq.size(0), H = xq.size(1), N = xq.size(2), D = xq.size(3);
   const int64_t Hkv = xk.size(1), G = H / Hkv, Dv = v.size(3);
-  const int64_t W = window, C = chunk, NS = sink_pos.numel() ? sink_pos.size(1) : 0;
+  const int64_t W = window, C = std::min<int64_t>(chunk, N), NS = sink_pos.numel() ? sink_pos.size(1) : 0;
   const int64_t nch = (N + C - 1) / C;
   const int64_t KW = C + std::min<int64_t>(std::max<int64_t>(W, 1), N) - 1;  // band keys of a full chunk
   const T* xqp = xq.data_ptr<T>();
@@ -475,7 +492,9 @@ void causal_band(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& v
                  int64_t window, const at::Tensor& sink_pos, const at::Tensor& sink_ok, int64_t chunk, double floor_,
                  at::Tensor num, at::Tensor den, at::Tensor ls) {
   TORCH_CHECK(num.is_contiguous() && den.is_contiguous() && ls.is_contiguous(), "contiguous outputs");
-  TORCH_CHECK(window >= 0 && chunk >= 1, "window >= 0, chunk >= 1");
+  TORCH_CHECK(window >= 0, "window >= 0");
+  check_sizes(xq, xk, v, chunk);
+  if (xq.numel() == 0 || v.size(3) == 0) return;
   dispatch_qkv(xq, xk, v, [&](auto tag) {
     band_run<decltype(tag)>(xq, xk, v, scale, key_mask, window, sink_pos, sink_ok, chunk, floor_, num, den, ls);
   });

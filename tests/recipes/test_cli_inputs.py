@@ -1,0 +1,99 @@
+"""Command-line and text inputs give clear errors naming what is wrong (issue 17)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from hf_rfa.recipes import evaluation
+from hf_rfa.recipes.conversion import pipeline
+from hf_rfa.recipes.conversion.pipeline import ConversionConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script(name: str):
+    """conversion/<name>.py loaded by path (not put on sys.path: its evaluate.py would shadow the
+    ``evaluate`` package)."""
+    spec = importlib.util.spec_from_file_location(f"conversion_{name}", os.path.join(ROOT, "conversion", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_missing_local_model_folder_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ws").mkdir()
+    for spec in ("ws/llama", str(tmp_path / "nowhere"), "./model"):
+        with pytest.raises(ValueError, match="local folder .* not found"):
+            pipeline.resolve_checkpoint(spec)
+    assert pipeline.resolve_checkpoint("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"  # a Hub id passes through
+
+
+def test_text_sources(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="not found"):
+        evaluation.load_text("data/my:notes.txt")  # a path with ':' is not a Hub dataset
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    for load in (evaluation.load_text, evaluation.load_labelled):
+        with pytest.raises(ValueError, match="latin1.txt is not UTF-8"):
+            load(str(bad))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    for load in (evaluation.load_text, evaluation.load_labelled):
+        with pytest.raises(ValueError, match="holds no text"):
+            load(str(empty))
+    (tmp_path / "empty.csv").write_text("text,label\n")
+    with pytest.raises(ValueError, match="holds no text"):
+        evaluation.load_labelled(str(tmp_path / "empty.csv"))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("transfer_minutes", float("nan")), ("transfer_minutes", -1.0), ("lora_minutes", float("inf")), ("transfer_lr", 0.0),
+     ("lora_lr", float("nan")), ("eval_tokens", -5), ("transfer_queries", 0)],
+)
+def test_numeric_flags_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        ConversionConfig(model="m", **{field: value})
+
+
+def test_output_naming_a_file_is_refused_before_loading(tmp_path):
+    script = _script("convert")
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        script.main(["--model", "does-not-matter/x", "--output", str(tmp_path / "f"), "--calibration-text", "a.txt", "--eval-text", "b.txt"])
+
+
+@pytest.mark.parametrize("flag", [["--max-tokens", "0"], ["--max-tokens", "-5"], ["--context", "1"]])
+def test_evaluate_script_checks_numbers(flag, capsys):
+    script = _script("evaluate")
+
+    with pytest.raises(SystemExit):
+        script.main(["--model", "x", "--text", "y.txt", *flag])
+    assert flag[0] in capsys.readouterr().err
+
+
+def test_gguf_cache_is_keyed_on_content(tmp_path, monkeypatch):
+    from hf_rfa import assets
+
+    calls = []
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
+
+    def fake_convert(spec, out, overwrite):
+        calls.append(spec)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(open(spec).read())
+
+    monkeypatch.setattr(assets, "gguf_to_hf", fake_convert)
+    for d, content in (("a", "model A"), ("b", "model B")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "model.gguf").write_text(content)
+    out_a = pipeline.resolve_checkpoint(str(tmp_path / "a" / "model.gguf"))
+    out_b = pipeline.resolve_checkpoint(str(tmp_path / "b" / "model.gguf"))
+    assert out_a != out_b and open(os.path.join(out_b, "config.json")).read() == "model B"
+    assert pipeline.resolve_checkpoint(str(tmp_path / "a" / "model.gguf")) == out_a and len(calls) == 2  # cached
