@@ -9,7 +9,7 @@ import hf_rfa
 from hf_rfa.feature_maps import register_feature_map
 from hf_rfa.feature_maps.base import FeatureMap
 
-ALL = hf_rfa.available_feature_maps()
+ALL = [n for n in hf_rfa.available_feature_maps() if n != "none"]  # "none" has no features: tests/ops/test_window_only.py
 RANDOM = ["rff", "positive", "favor+", "favor++", "rfa"]
 
 
