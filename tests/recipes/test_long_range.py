@@ -84,3 +84,21 @@ def test_passkey_accuracy_of_an_oracle_and_of_a_wrong_model(shift, expected):
     r = long_range.passkey_task(_Oracle(shift), _DigitTokenizer(), lengths=[450, 500], depths=[0.1, 0.9], trials=4, progress=False)
     assert all(v == expected for cell in r["accuracy"].values() for v in cell.values())
     assert r["mean"] == {"450": expected, "500": expected}
+
+
+def test_tokenize_keeps_hf_rfa_progress_logging():
+    """Tokenizing a long text must not reset hf_rfa's logger (it follows transformers' verbosity):
+    a conversion run would otherwise lose its INFO progress lines after the first text."""
+    import logging
+
+    from hf_rfa.recipes import evaluation
+    from tests_tokenizer import word_tokenizer
+
+    log = logging.getLogger("hf_rfa")
+    old = log.level
+    log.setLevel(logging.INFO)
+    try:
+        ids = evaluation.tokenize(word_tokenizer(), "w1 w2 " * 2000)
+        assert ids.numel() == 4000 and log.level == logging.INFO
+    finally:
+        log.setLevel(old)
