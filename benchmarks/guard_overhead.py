@@ -6,6 +6,7 @@ the guard and with it replaced by identity, measured in the same run (one thread
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -26,7 +27,10 @@ def _median_ms(fn, repeats: int = 9) -> float:
     return sorted(times)[repeats // 2] * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=9, help="timed calls per case (median reported)")
+    a = p.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
@@ -40,9 +44,9 @@ def main() -> None:
                 return hf_rfa.random_feature_attention(q, k, v, fm, causal=True, attention_mask=mask)
 
             att.guard_inputs = lambda q, k, v, km, causal: (q, k, v, None)
-            base = _median_ms(call)
+            base = _median_ms(call, a.repeats)
             att.guard_inputs = real
-            guarded = _median_ms(call)
+            guarded = _median_ms(call, a.repeats)
             print(f"{name}: without guard {base:.1f} ms, with guard {guarded:.1f} ms, ratio {guarded / base:.3f}")
 
 

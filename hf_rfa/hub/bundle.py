@@ -55,6 +55,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.linear",
     "hf_rfa.ops.masks",
     "hf_rfa.ops.partial",
+    "hf_rfa.ops.recompute",
     "hf_rfa.ops.recurrent",
     "hf_rfa.ops.reference",
 )

@@ -245,15 +245,17 @@ def export(
     final = output_dir.check_target(out_dir, overwrite, flag="overwrite=True", name="out_dir")
     out = output_dir.staging_dir(final)  # written aside, swapped in at the end (nothing lost)
     try:
-        _write(model, out, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size)
+        _write(model, out, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size,
+               final=final, tokenizer=tokenizer, source_dir=source_dir, dataset_name=dataset_name)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     return output_dir.publish(out, final)
 
 
-def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size) -> None:
-    """The files of :func:`export` written into the (staging) folder ``out``."""
+def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size,
+           final: Path, tokenizer: Any = None, source_dir=None, dataset_name: str | None = None) -> None:
+    """The files of :func:`export` written into the (staging) folder ``out`` (published as ``final``)."""
     from .model_card import render_model_card
 
     model_class = type(model)
@@ -276,7 +278,7 @@ def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipel
     card = render_model_card(
         rfa_config, model_class=model_class.__name__, auto_class=autos[0], base_model=base_model,
         metrics=metrics, tags=tags, pipeline_tag=pipeline_tag, license=license,
-        num_parameters=sum(p.numel() for p in model.parameters()), repo_id=repo_id or str(out.resolve()),
+        num_parameters=sum(p.numel() for p in model.parameters()), repo_id=repo_id or str(Path(final).resolve()),
         dataset_name=dataset_name,
     )
     if repo_id is None:
@@ -287,7 +289,6 @@ def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipel
     _save_tokenizer(tokenizer, source if source is not None else getattr(model.config, "_name_or_path", None), out)
     if source is not None:
         _copy_sentence_transformers_files(source, out)
-    return out
 
 
 def _source_dir(model: nn.Module) -> Path | None:

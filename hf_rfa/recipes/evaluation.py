@@ -99,9 +99,15 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
     """Texts and labels (None if the source has none): CSV file (``text[,label]``),
     ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
     if os.path.isfile(spec):
-        if builder_of(spec) == "text":
-            _read_file(spec)  # a clear error naming a non-UTF-8 file
-        texts, labels = _labelled(load_local(spec, sample_by="line", what="text file"), spec)
+        if builder_of(spec) == "text" and not _read_file(spec).strip():  # also names a non-UTF-8 file
+            _nonempty(spec, [])
+        try:
+            ds = load_local(spec, sample_by="line", what="text file")
+        except ValueError as e:
+            if "no data" in str(e):  # datasets' words for an empty file
+                _nonempty(spec, [])
+            raise
+        texts, labels = _labelled(ds, spec)
         return _nonempty(spec, texts), labels
     if spec.startswith("rotten_tomatoes:"):
         from .. import assets
