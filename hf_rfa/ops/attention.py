@@ -96,7 +96,8 @@ def random_feature_attention(
     be = resolve(backend, grad=needs_grad(q, k, v, *params), causal=causal, device=q.device, dtype=ct)
     # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
     band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
-    logger.debug("random_feature_attention: backend %s (exact band: %s; requested %s)", be, band_be, backend)
+    if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls (fullgraph compile)
+        logger.debug("random_feature_attention: backend %s (exact band: %s; requested %s)", be, band_be, backend)
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
