@@ -145,15 +145,10 @@ def passkey_task(
         for i in range(0, trials, batch_size):
             pairs = [passkey_prompt(tokenizer, n, dp, key) for key in keys[i : i + batch_size]]
             full = [torch.cat([p, a]) for p, a in pairs]
-            width = max(len(f) for f in full)
-            if len({len(f) for f in full}) > 1:  # same length in practice (digits are single tokens)
-                for f, (p, a) in zip(full, pairs):
-                    hits += _passkey_hit(model, f.unsqueeze(0).to(dev), len(a))
+            if len({(len(f), len(a)) for f, (_, a) in zip(full, pairs)}) == 1:  # the usual case: one batch
+                hits += _passkey_hits(model, torch.stack(full).to(dev), len(pairs[0][1]))
             else:
-                x = torch.stack(full).to(dev)
-                la = len(pairs[0][1])
-                logits = model(input_ids=x, use_cache=False).logits[:, width - la - 1 : width - 1]
-                hits += int((logits.argmax(-1) == x[:, width - la :]).all(-1).sum())
+                hits += sum(_passkey_hits(model, f.unsqueeze(0).to(dev), len(a)) for f, (_, a) in zip(full, pairs))
             bar.update(len(pairs))
         acc.setdefault(str(n), {})[f"{dp:g}"] = hits / trials
     bar.close()
@@ -161,35 +156,11 @@ def passkey_task(
     return {"accuracy": acc, "mean": mean, "trials": trials, "seed": seed, "depths": [float(d) for d in depths]}
 
 
-def _passkey_hit(model: nn.Module, x: torch.Tensor, la: int) -> int:
+def _passkey_hits(model: nn.Module, x: torch.Tensor, la: int) -> int:
+    """Rows of ``x [b, L]`` whose last ``la`` tokens (the key) are each the argmax given the rest."""
     w = x.shape[1]
     logits = model(input_ids=x, use_cache=False).logits[:, w - la - 1 : w - 1]
-    return int((logits.argmax(-1) == x[:, w - la :]).all())
-
-
-@torch.no_grad()
-def evaluate_suite(
-    model: nn.Module, tokenizer, ids: torch.Tensor, contexts=(1024, 4096, 8192), max_tokens: int | None = 8192,
-    gaps=(512, 3584), draws: int = 8, passkey_lengths=(1024,), trials: int = 20, seed: int = 0, progress: bool = True,
-) -> dict:
-    """Perplexity at ``contexts``, copy at ``gaps`` and passkey at ``passkey_lengths`` in one dict:
-    ``{"perplexity": {ctx: {...}}, "copy": {gap: {...}}, "passkey": {...} | None}`` (contexts longer
-    than the text are skipped with a warning)."""
-    from .evaluation import perplexity
-
-    out: dict = {"perplexity": {}, "copy": {}, "passkey": None}
-    for ctx in contexts:
-        if ids.numel() < ctx:
-            logger.warning("skipping perplexity @%d: the eval text has only %d tokens", ctx, ids.numel())
-            continue
-        out["perplexity"][str(ctx)] = perplexity(model, ids, ctx, max_tokens, progress=progress)
-    for gap in gaps:
-        r = copy_task(model, ids, gap=gap, draws=draws, seed=seed, progress=progress)
-        r.pop("per_draw")
-        out["copy"][str(gap)] = r
-    if passkey_lengths:
-        out["passkey"] = passkey_task(model, tokenizer, passkey_lengths, trials=trials, seed=seed, progress=progress)
-    return out
+    return int((logits.argmax(-1) == x[:, w - la :]).all(-1).sum())
 
 
 __all__ = ["copy_sequences", "copy_task", "evaluate_suite", "passkey_prompt", "passkey_task"]
