@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .linear import causal_feature_attention
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, guard_continuation, no_autocast, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, guard_continuation, no_autocast, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
 
@@ -231,7 +231,8 @@ def continue_attention(
     and the state before any computation (ValueError naming it); B = 0 or n = 0 give an empty
     result; padded keys change nothing; a non-finite query makes its own row NaN and a non-finite
     real key/value every row of its head from that position on, in this call and every later one
-    (:func:`~hf_rfa.ops.masks.guard_continuation`: the state itself stays finite).
+    (:func:`~hf_rfa.ops.masks.guard_continuation`: the state itself stays finite); a float16
+    output is clamped to float16's range.
     """
     b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
     if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
@@ -336,7 +337,10 @@ def continue_attention(
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
-    out = finalize(total, feature_map.eps).reshape(b, h, n, -1).masked_fill(poison[..., None], float("nan")).to(q.dtype)
+    out = finalize(total, feature_map.eps).reshape(b, h, n, -1)
+    if poison is not None:
+        out = out.masked_fill(poison[..., None], float("nan"))
+    out = to_output_dtype(out, q.dtype)
 
     keep = min(window, big_l)
     new_state = DecodeState(

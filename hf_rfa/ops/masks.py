@@ -189,20 +189,35 @@ def guard_continuation(
 
     q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]`` (the new tokens), key_mask
     ``[B, n]`` bool or None, ``past_bad [B, Hkv]`` bool: an earlier real key/value of that head
-    was non-finite. Returns ``(q, k, v, poison [B, H, n], bad [B, Hkv])``: the inputs with padded
-    and non-finite positions zeroed (only when some input is non-finite), the new rows softmax
-    makes NaN (after a bad key of their head, earlier or new, or a bad query: the row itself), and
-    ``past_bad`` updated for the next call — so the decoding state only ever holds finite numbers
+    was non-finite. Returns ``(q, k, v, poison [B, H, n] or None, bad [B, Hkv])``: the inputs with
+    padded and non-finite positions zeroed (only when some input is non-finite), the new rows
+    softmax makes NaN (after a bad key of their head, earlier or new, or a bad query: the row
+    itself; None when the inputs are finite and no head was flagged before), and ``past_bad``
+    updated for the next call — so the decoding state only ever holds finite numbers
     and the rows of other heads, batch rows and earlier positions are untouched.
     """
     b, h, n, _ = q.shape
     hkv = k.shape[1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # one sum (a decoding step runs this once per layer, so no per-tensor checks): any NaN/±inf
+    # entry makes the total non-finite; a total that overflows from finite values only costs the
+    # exact path below
+    total = q.sum(dtype=ct) + k.sum(dtype=ct) + v.sum(dtype=ct)
+    if bool(torch.isfinite(total)) and not bool(past_bad.any()):
+        return q, k, v, None, past_bad
     before = past_bad[:, :, None].expand(b, hkv, n)
-    if _all_finite(q, k, v):
-        return q, k, v, before.repeat_interleave(h // hkv, dim=1), past_bad
     q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
     seen = before | (torch.cumsum(kbad.to(torch.int32), dim=-1) > 0)
     return q, k, v, seen.repeat_interleave(h // hkv, dim=1) | qbad, past_bad | kbad.any(-1)
+
+
+def to_output_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``; float16 is clamped to its finite range first (a signed map's floored
+    normaliser can give values beyond 65504; NaN stays NaN)."""
+    if dtype == torch.float16:
+        fmax = torch.finfo(torch.float16).max
+        out = out.clamp(-fmax, fmax)
+    return out.to(dtype)
 
 
 def check_feature_map(feature_map, head_dim: int) -> None:

@@ -161,6 +161,18 @@ def test_decode_nonfinite_padded_key_or_query_row(name, window, sinks, splits):
     assert torch.equal(out[~bad], ref[~bad])
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_fp16_signed_rfa_does_not_overflow(seed):
+    """As the full op (tests/ops/test_robustness.py): float16 output clamped to its finite range."""
+    fm = hf_rfa.build_feature_map("rfa", head_dim=8, num_features=1, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, 2, 64, 8, generator=g) * 10**0.5 for _ in range(2))
+    v = torch.randn(1, 2, 64, 8, generator=g)
+    for splits in ([64], [20], [1]):
+        out, _ = _decode(fm, q.half(), k.half(), v.half(), None, 1, 1, splits)
+        assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
 def test_decode_empty_inputs():
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
     state = DecodeState.empty(1, 2, 8, 8, fm.feature_dim, 1, torch.float32)
