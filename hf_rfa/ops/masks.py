@@ -138,6 +138,20 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))) for t in tensors)
 
 
+def _zero_nonfinite(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero padded keys/values and every non-finite query / real key-value position; return
+    ``(q, k, v, qbad [B, H, Nq], kbad [B, Hkv, Nk])`` (bad: the position held a NaN/±inf)."""
+    if key_mask is not None:
+        pad = ~key_mask[:, None, :, None]
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+    qbad = ~torch.isfinite(q).all(-1)  # [B,H,Nq]
+    kbad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B,Hkv,Nk] (padded: already 0)
+    q, k, v = q.masked_fill(qbad[..., None], 0), k.masked_fill(kbad[..., None], 0), v.masked_fill(kbad[..., None], 0)
+    return q, k, v, qbad, kbad
+
+
 def guard_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -158,16 +172,57 @@ def guard_inputs(
     compiling = torch.compiler.is_compiling()
     if not compiling and _all_finite(q, k, v):  # the common case: the ops mask padded keys exactly
         return q, k, v, None
-    if key_mask is not None:
-        pad = ~key_mask[:, None, :, None]
-        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
     b, h, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    qbad = ~torch.isfinite(q).all(-1)  # [B,H,Nq]
-    kbad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B,Hkv,Nk] (padded: already 0)
-    q, k, v = q.masked_fill(qbad[..., None], 0), k.masked_fill(kbad[..., None], 0), v.masked_fill(kbad[..., None], 0)
+    q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
     if causal:  # query i is key position Nk − Nq + i and sees every key up to it
         seen = (torch.cumsum(kbad.to(torch.int32), dim=-1) > 0)[..., nk - nq :]
     else:
         seen = kbad.any(-1, keepdim=True).expand(b, hkv, nq)
     return q, k, v, seen.repeat_interleave(h // hkv, dim=1) | qbad
+
+
+def guard_continuation(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, past_bad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`guard_inputs` for causal decoding: ``n`` new tokens continuing a summarised past.
+
+    q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]`` (the new tokens), key_mask
+    ``[B, n]`` bool or None, ``past_bad [B, Hkv]`` bool: an earlier real key/value of that head
+    was non-finite. Returns ``(q, k, v, poison [B, H, n] or None, bad [B, Hkv])``: the inputs with
+    padded and non-finite positions zeroed (only when some input is non-finite), the new rows
+    softmax makes NaN (after a bad key of their head, earlier or new, or a bad query: the row
+    itself; None when the inputs are finite and no head was flagged before), and ``past_bad``
+    updated for the next call — so the decoding state only ever holds finite numbers
+    and the rows of other heads, batch rows and earlier positions are untouched.
+    """
+    b, h, n, _ = q.shape
+    hkv = k.shape[1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # one sum (a decoding step runs this once per layer, so no per-tensor checks): any NaN/±inf
+    # entry makes the total non-finite; a total that overflows from finite values only costs the
+    # exact path below
+    total = q.sum(dtype=ct) + k.sum(dtype=ct) + v.sum(dtype=ct)
+    if bool(torch.isfinite(total)) and not bool(past_bad.any()):
+        return q, k, v, None, past_bad
+    before = past_bad[:, :, None].expand(b, hkv, n)
+    q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
+    seen = before | (torch.cumsum(kbad.to(torch.int32), dim=-1) > 0)
+    return q, k, v, seen.repeat_interleave(h // hkv, dim=1) | qbad, past_bad | kbad.any(-1)
+
+
+def to_output_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``; float16 is clamped to its finite range first (a signed map's floored
+    normaliser can give values beyond 65504; NaN stays NaN)."""
+    if dtype == torch.float16:
+        fmax = torch.finfo(torch.float16).max
+        out = out.clamp(-fmax, fmax)
+    return out.to(dtype)
+
+
+def check_feature_map(feature_map, head_dim: int) -> None:
+    """ValueError unless ``feature_map`` is a hf_rfa feature map for head dim ``head_dim``."""
+    if not all(hasattr(feature_map, a) for a in ("forward_queries", "forward_keys", "eps", "has_gate")):
+        raise ValueError(f"feature_map must be a hf_rfa FeatureMap (see hf_rfa.build_feature_map), got {type(feature_map).__name__}")
+    if getattr(feature_map, "head_dim", head_dim) != head_dim:
+        raise ValueError(f"feature map head_dim={feature_map.head_dim} does not match q/k head dim D={head_dim}")

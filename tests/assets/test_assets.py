@@ -320,9 +320,11 @@ def test_library_calls_never_pip_install(monkeypatch) -> None:
     assert len(calls) == 1 and calls[0][-1] == "not-on-pypi-hopefully==0.0.0"
 
 
-@pytest.mark.parametrize("package,binary", [(("gensim", "4.4.0", "gensim_x"), True), (("openai-whisper", "20250625", "whisper_x"), False)])
-def test_pinned_installs_refuse_source_builds(monkeypatch, tmp_path, package, binary):
-    """pip gets --only-binary :all: (no setup.py runs), except for the named sdist-only packages."""
+@pytest.mark.parametrize("package", [("gensim", "4.4.0", "gensim_x"), ("openai-whisper", "20250625", "whisper_x")])
+def test_pinned_installs_refuse_source_builds(monkeypatch, tmp_path, package):
+    """pip always gets --only-binary :all: (no setup.py runs, openai-whisper included: its
+    tokenizer file comes from the verified source archive instead)."""
+    binary = True
     import importlib.util
     import subprocess
     import types
@@ -337,3 +339,143 @@ def test_pinned_installs_refuse_source_builds(monkeypatch, tmp_path, package, bi
     (cmd,) = calls
     assert cmd[-1] == f"{package[0]}=={package[1]}" and "--no-deps" in cmd
     assert (cmd[cmd.index("--only-binary") + 1] == ":all:") if binary else "--only-binary" not in cmd
+
+
+# ---- a pinned source archive, read without running anything (hf_rfa.assets.sdist) ---------------
+def _tar(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> str:
+    """Write a .tar.gz of ``members`` (name: bytes) and symlinks ``links`` (name: target); return its sha256."""
+    import hashlib
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _demo(tmp_path: Path, extra: dict[str, bytes] | None = None, links: dict[str, str] | None = None):
+    import hashlib
+
+    from hf_rfa.assets.sdist import Sdist
+
+    data = b"ranks 0 1 2\n"
+    archive = tmp_path / "demo_pkg-1.0.tar.gz"
+    digest = _tar(archive, {"demo_pkg-1.0/setup.py": b"raise SystemExit('must not run')\n", "demo_pkg-1.0/pkg/assets/ranks.txt": data, **(extra or {})}, links)
+    return archive, Sdist("demo-pkg", "1.0", archive.name, digest, {"pkg/assets/ranks.txt": hashlib.sha256(data).hexdigest()}), data
+
+
+def test_sdist_members_are_read_only_from_a_verified_archive(tmp_path):
+    from dataclasses import replace
+
+    from hf_rfa.assets.sdist import read_members
+
+    archive, sd, data = _demo(tmp_path)
+    assert read_members(archive, sd) == {"pkg/assets/ranks.txt": data}
+    assert not (tmp_path / "demo_pkg-1.0").exists()  # nothing extracted by name
+    with pytest.raises(ValueError, match="sha256 .* is not the pinned .*refused"):
+        read_members(archive, replace(sd, sha256="0" * 64))
+    with pytest.raises(ValueError, match="ranks.txt.*sha256.*refused"):
+        read_members(archive, replace(sd, members={"pkg/assets/ranks.txt": "1" * 64}))
+    with pytest.raises(ValueError, match="no member"):
+        read_members(archive, replace(sd, members={"pkg/missing.txt": "1" * 64}))
+
+
+@pytest.mark.parametrize(
+    "extra,links",
+    [
+        ({"demo_pkg-1.0/../../evil.txt": b"x"}, None),
+        ({"/etc/evil.txt": b"x"}, None),
+        ({"demo_pkg-1.0/a\\..\\..\\evil.txt": b"x"}, None),
+        (None, {"demo_pkg-1.0/pkg/link": "../../../etc/passwd"}),
+        (None, {"demo_pkg-1.0/pkg/link": "/etc/passwd"}),
+    ],
+    ids=["dotdot", "absolute", "backslash", "symlink-dotdot", "symlink-absolute"],
+)
+def test_sdist_path_traversal_refuses_the_archive(tmp_path, extra, links):
+    from hf_rfa.assets.sdist import read_members
+
+    archive, sd, _ = _demo(tmp_path, extra, links)  # the pinned hash is this very archive's
+    with pytest.raises(ValueError, match="archive refused"):
+        read_members(archive, sd)
+
+
+def test_index_urls_follow_pip_config():
+    from hf_rfa.assets.sdist import DEFAULT_INDEX, index_urls
+
+    cfg = "global.cert='/x.crt'\nglobal.extra-index-url='file:///a/simple file:///b/simple'\n:env:.find-links='/w'\n"
+    assert index_urls(cfg, env={}) == [DEFAULT_INDEX, "file:///a/simple", "file:///b/simple"]
+    assert index_urls("install.index-url='https://mirror/simple'\n", env={}) == ["https://mirror/simple"]
+    assert index_urls(cfg, env={"PIP_INDEX_URL": "https://m/simple", "PIP_EXTRA_INDEX_URL": "file:///c"}) == ["https://m/simple", "file:///c"]
+
+
+def _index(root: Path, sd, archive: Path, listed: str | None) -> str:
+    """A file:// simple index at ``root`` listing ``archive`` (hash fragment ``listed``)."""
+    page = root / "simple" / "demo-pkg"
+    page.mkdir(parents=True)
+    (page / archive.name).write_bytes(archive.read_bytes())
+    frag = f"#sha256={listed}" if listed else ""
+    (page / "index.html").write_text(f'<html><body><a href="{archive.name}{frag}">{archive.name}</a></body></html>')
+    return (root / "simple").as_uri()
+
+
+def test_sdist_file_offline_and_prepared_from_an_index(tmp_path, monkeypatch):
+    """Library calls never fetch (AssetNotPrepared); the set-up step fetches from the index,
+    verifies, caches the member only; later calls read the cache."""
+    import subprocess
+    import urllib.request
+
+    from hf_rfa.assets import sdist, store
+
+    monkeypatch.setenv("HF_RFA_CACHE", str(tmp_path / "cache"))
+    archive, sd, data = _demo(tmp_path)
+    index = _index(tmp_path / "idx", sd, archive, sd.sha256)
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("no network"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("nothing is run"))
+    with pytest.raises(store.AssetNotPrepared, match=r"python -m hf_rfa\.assets"):
+        sdist.sdist_file(sd, "pkg/assets/ranks.txt", indexes=[index])
+    with store.installing():
+        path = sdist.sdist_file(sd, "pkg/assets/ranks.txt", indexes=["file:///nonexistent/simple", index])
+    assert path.read_bytes() == data and path == sd.cached("pkg/assets/ranks.txt")
+    assert sorted(p.name for p in path.parent.parent.parent.rglob("*") if p.is_file()) == ["ranks.txt"]  # no archive, no setup.py
+    assert sdist.sdist_file(sd, "pkg/assets/ranks.txt") == path  # offline: the cache
+    with pytest.raises(ValueError, match="member must be one of"):
+        sdist.sdist_file(sd, "setup.py")
+
+
+def test_sdist_file_refuses_a_tampered_archive(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from hf_rfa.assets import sdist, store
+
+    monkeypatch.setenv("HF_RFA_CACHE", str(tmp_path / "cache"))
+    archive, sd, _ = _demo(tmp_path)
+    pinned = replace(sd, sha256="ab" * 32)  # the index serves another archive than the pinned one
+    for listed in (None, sd.sha256):  # unlisted hash: refused after download; listed other: before
+        root = tmp_path / f"idx-{listed is None}"
+        with store.installing(), pytest.raises(ValueError, match="not the pinned"):
+            sdist.sdist_file(pinned, "pkg/assets/ranks.txt", indexes=[_index(root, sd, archive, listed)])
+        assert not pinned.cached("pkg/assets/ranks.txt").exists()
+
+
+def test_whisper_pin_is_the_gpt2_tokenizer_file():
+    """The pinned member hash is the file an installed openai-whisper 20250625 holds (when one is)."""
+    import hashlib
+    import importlib.util
+
+    from hf_rfa.assets import store
+
+    project, version, filename, _, members = store.WHISPER_SDIST
+    assert (project, version, filename) == ("openai-whisper", "20250625", "openai_whisper-20250625.tar.gz")
+    assert list(members) == [store.GPT2_TIKTOKEN_FILE]
+    spec = importlib.util.find_spec("whisper")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("openai-whisper not installed here")
+    installed = Path(spec.submodule_search_locations[0]).parent / store.GPT2_TIKTOKEN_FILE
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == members[store.GPT2_TIKTOKEN_FILE]

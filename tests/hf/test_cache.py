@@ -98,6 +98,148 @@ def test_continue_attention_rejects_bad_input():
         continue_attention(state, x, x, x, fm, sinks=2)
 
 
+def _decode(fm, q, k, v, mask, window, sinks, splits, state=None):
+    """``continue_attention`` over ``splits`` (then single tokens): ``(out [B, H, N, Dv], state)``."""
+    b, h, n, d = q.shape
+    state = state or DecodeState.empty(b, k.shape[1], d, v.shape[-1], fm.feature_dim, sinks, q.dtype)
+    outs, i = [], 0
+    for s in splits + [1] * (n - sum(splits)):
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm,
+                                      None if mask is None else mask[:, i:i + s], window, sinks, chunk_size=8)
+        outs.append(o)
+        i += s
+    return torch.cat(outs, 2), state
+
+
+GUARD_MAPS = [(m, 0, 0) for m in ("favor+", "elu", "rfa", "hedgehog")] + [(m, 4, 1) for m in ("favor+", "elu", "none")]
+
+
+@pytest.mark.parametrize("name,window,sinks", GUARD_MAPS, ids=[f"{m}-W{w}-S{s}" for m, w, s in GUARD_MAPS])
+@pytest.mark.parametrize("splits", [[40], [10, 15], [1]], ids=["one-shot", "10+15", "token-by-token"])
+def test_decode_nonfinite_key_poisons_only_the_rows_softmax_would(name, window, sinks, splits):
+    """One inf/nan key (or value) at position 20 of batch row 0, kv head 0: exactly the rows >= 20
+    of that row's query heads 0-1 are NaN (as in ``random_feature_attention``); every other row
+    equals the clean decode, also in later calls (the state is not poisoned)."""
+    b, h, hkv, n, d = 2, 4, 2, 40, 8
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=8, seed=0)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    clean, _ = _decode(fm, q, k, v, None, window, sinks, splits)
+    expect = torch.zeros(b, h, n, dtype=torch.bool)
+    expect[0, :2, 20:] = True
+    for which, bad in (("k", float("inf")), ("k", float("nan")), ("v", float("-inf"))):
+        k2, v2 = k.clone(), v.clone()
+        (k2 if which == "k" else v2)[0, 0, 20, 3] = bad
+        out, state = _decode(fm, q, k2, v2, None, window, sinks, splits)
+        full = hf_rfa.random_feature_attention(q, k2, v2, fm, causal=True, window=window, sinks=sinks, chunk_size=8)
+        assert torch.equal(~torch.isfinite(out).all(-1), expect)
+        assert torch.equal(~torch.isfinite(full).all(-1), expect)  # the full op's semantics
+        assert rel(out[~expect], clean[~expect]) <= ORACLE_FP32
+        assert all(torch.isfinite(t).all() for t in state.tensors().values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("name,window,sinks", GUARD_MAPS, ids=[f"{m}-W{w}-S{s}" for m, w, s in GUARD_MAPS])
+@pytest.mark.parametrize("splits", [[40], [10, 15], [1]], ids=["one-shot", "10+15", "token-by-token"])
+def test_decode_nonfinite_padded_key_or_query_row(name, window, sinks, splits):
+    """Non-finite padded keys/values change nothing; a non-finite query makes only its own row NaN."""
+    b, h, hkv, n, d = 2, 4, 2, 40, 8
+    fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=8, seed=0)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :5] = False  # left padding
+    mask[1, 30:] = False  # right padding
+    ref, _ = _decode(fm, q, k, v, mask, window, sinks, splits)
+    k2, v2, q2 = k.clone(), v.clone(), q.clone()
+    k2[0, :, 3], v2[0, :, 1], k2[1, :, 35], v2[1, :, 39] = float("inf"), float("nan"), float("-inf"), float("nan")
+    out, _ = _decode(fm, q, k2, v2, mask, window, sinks, splits)
+    assert torch.isfinite(out).all() and torch.equal(out, ref)
+    q2[1, 3, 12, 0] = float("nan")
+    out, _ = _decode(fm, q2, k, v, mask, window, sinks, splits)
+    bad = ~torch.isfinite(out).all(-1)
+    assert bad[1, 3, 12] and bad.sum() == 1
+    assert torch.equal(out[~bad], ref[~bad])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_fp16_signed_rfa_does_not_overflow(seed):
+    """As the full op (tests/ops/test_robustness.py): float16 output clamped to its finite range."""
+    fm = hf_rfa.build_feature_map("rfa", head_dim=8, num_features=1, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, 2, 64, 8, generator=g) * 10**0.5 for _ in range(2))
+    v = torch.randn(1, 2, 64, 8, generator=g)
+    for splits in ([64], [20], [1]):
+        out, _ = _decode(fm, q.half(), k.half(), v.half(), None, 1, 1, splits)
+        assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+def test_decode_empty_inputs():
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
+    state = DecodeState.empty(1, 2, 8, 8, fm.feature_dim, 1, torch.float32)
+    x = torch.randn(1, 2, 3, 8)
+    _, state = continue_attention(state, x, x, x, fm, window=2, sinks=1)
+    out, same = continue_attention(state, x[:, :, :0], x[:, :, :0], x[:, :, :0], fm, window=2, sinks=1)
+    assert out.shape == (1, 2, 0, 8) and same.seen == 3
+    empty = DecodeState.empty(0, 2, 8, 8, fm.feature_dim, 1, torch.float32)
+    out, after = continue_attention(empty, x[:0], x[:0], x[:0], fm, window=2, sinks=1)
+    assert out.shape == (0, 2, 3, 8) and after.seen == 3
+
+
+BAD_DECODE = {
+    "window=-1": (dict(window=-1), "window"),
+    "window below the kept window": (dict(window=1), "window"),
+    "sinks=10**9": (dict(sinks=10**9), "sinks"),
+    "chunk_size=0": (dict(chunk_size=0), "chunk_size"),
+    "chunk_size=2**31": (dict(chunk_size=2**31), r"chunk_size must be an int in \[1, 4096\]"),
+    "nan scale": (dict(scale=float("nan")), "scale"),
+    "negative scale": (dict(scale=-1.0), "scale"),
+    "feature_map=None": (dict(feature_map=None), "feature_map"),
+    "head_dim of the map": (dict(feature_map=hf_rfa.build_feature_map("favor+", head_dim=4, num_features=16)), "head_dim"),
+    "feature_dim of the state": (dict(feature_map=hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)), "feature"),
+    "'none' without window or sinks": (dict(feature_map=hf_rfa.build_feature_map("none", head_dim=8), window=0, sinks=0), "window > 0 or sinks > 0"),
+    "int tensors": (dict(q=torch.ones(1, 2, 1, 8, dtype=torch.long)), "floating-point"),
+    "3-D q": (dict(q=torch.ones(2, 1, 8)), "4-D"),
+    "k/v token count": (dict(k=torch.randn(1, 2, 2, 8), v=torch.randn(1, 2, 2, 8)), "new tokens"),
+    "head dim vs state": (dict(q=torch.randn(1, 2, 1, 4), k=torch.randn(1, 2, 1, 4), v=torch.randn(1, 2, 1, 8)), "D"),
+    "value dim vs state": (dict(v=torch.randn(1, 2, 1, 5)), "Dv"),
+    "batch vs state": (dict(q=torch.randn(2, 2, 1, 8), k=torch.randn(2, 2, 1, 8), v=torch.randn(2, 2, 1, 8)), "batch"),
+    "state": (dict(state=None), "state"),
+    "mask shape": (dict(attention_mask=torch.ones(1, 5)), "attention_mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE), ids=list(BAD_DECODE))
+def test_continue_attention_bad_arguments(case):
+    """Every bad argument is a ValueError naming it (as for ``random_feature_attention``)."""
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
+    state = DecodeState.empty(1, 2, 8, 8, fm.feature_dim, 1, torch.float32)
+    x = torch.randn(1, 2, 3, 8)
+    _, state = continue_attention(state, x, x, x, fm, window=2, sinks=1)  # keeps 2 keys
+    y = torch.randn(1, 2, 1, 8)
+    kw = dict(state=state, q=y, k=y, v=y, feature_map=fm, window=2, sinks=1)
+    change, match = BAD_DECODE[case]
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        continue_attention(**kw)
+
+
+def test_cache_layer_attend_refuses_bad_shapes():
+    """The cache layer checks its inputs before building a state from them."""
+    from hf_rfa.hf.attention import RFAAttention
+
+    rfa = RFAAttention(hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0), window=2, sinks=1)
+    layer, x = RFACacheLayer(), torch.randn(1, 2, 1, 8)
+    layer.update(x, x, kwargs={})
+    with pytest.raises(ValueError, match="4-D"):
+        layer.attend(rfa, x, torch.randn(2, 1, 8), torch.randn(2, 1, 8), None, True, None)
+    assert layer.state is None
+    with pytest.raises(ValueError, match="floating-point"):
+        layer.attend(rfa, x, x.long(), x, None, True, None)
+    assert layer.state is None
+    out = layer.attend(rfa, x, x, x, None, True, None)
+    assert out.shape == (1, 2, 1, 8) and layer.state.seen == 1
+
+
 # --- models ----------------------------------------------------------------------------------
 def _llama(layers=2):
     torch.manual_seed(0)

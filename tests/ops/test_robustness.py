@@ -12,10 +12,15 @@ import pytest
 import torch
 
 import hf_rfa
+from conftest import rel
 from hf_rfa.ops.backends import native
+from hf_rfa.ops.decode import DecodeState, continue_attention
+from tolerances import ORACLE_FP32
 
 A = hf_rfa.random_feature_attention
 MAPS = [n for n in hf_rfa.available_feature_maps() if n != "none"]  # "none" needs a window or sinks: tests/ops/test_window_only.py
+#: the fuzz draws every map; "none" (window-only) with window = sinks = 0 must be refused
+FUZZ_MAPS = hf_rfa.available_feature_maps()
 
 
 def _qkv(b=1, h=2, n=8, d=8, hkv=None, dv=None, dtype=torch.float32, std=1.0, seed=0):
@@ -181,6 +186,20 @@ def test_fp16_signed_rfa_does_not_overflow(seed, backend):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.xfail(strict=True, reason="full-op defect, left for ops/linear.py: the causal feature part of a row that sees no feature key yet has log scale 0 (not NEG) for maps without log scales, so merge + the eps floor shrink an exact part whose logits are all < log(eps); cached decoding gives the right answer")
+def test_exact_rows_before_any_feature_key_are_not_floored():
+    """elu, window 4: query 0 sees only key 0 (exact), so its output is v[0] whatever the logit."""
+    fm = hf_rfa.build_feature_map("elu", head_dim=4, num_features=4, seed=0)
+    q = torch.tensor([[[[6.0, 0.0, 0.0, 0.0]] * 8]])
+    k = torch.tensor([[[[-6.0, 0.0, 0.0, 0.0]] * 8]])
+    v = torch.randn(1, 1, 8, 4, generator=torch.Generator().manual_seed(0))
+    state = DecodeState.empty(1, 1, 4, 4, fm.feature_dim, 0, torch.float32)
+    dec, _ = continue_attention(state, q, k, v, fm, window=4)
+    assert torch.allclose(dec[0, 0, 0], v[0, 0, 0])  # cached decoding: right
+    out = A(q, k, v, fm, causal=True, window=4)
+    assert torch.allclose(out[0, 0, 0], v[0, 0, 0])
+
+
 # ---- the fuzz run ----------------------------------------------------------------------------------
 def _bad_argument(rng: random.Random, q, k, v):
     """One invalid call's keyword changes (or replaced tensors)."""
@@ -202,10 +221,55 @@ def _bad_argument(rng: random.Random, q, k, v):
     return {"v": v.flatten(2)}  # 3-D
 
 
-def _fuzz_case(rng: random.Random, maps: dict, case: int) -> tuple[int, int, int]:
+def _decode(q, k, v, fm, kw, splits: list[int]) -> torch.Tensor:
+    """The causal op through cached decoding (``continue_attention``), the new tokens in ``splits``."""
+    b, h, n, d = q.shape
+    mask = kw["attention_mask"]
+    state = DecodeState.empty(b, k.shape[1], d, v.shape[-1], getattr(fm, "feature_dim", 1), kw["sinks"] if isinstance(kw["sinks"], int) and 0 <= kw["sinks"] <= 4096 else 0, q.dtype)
+    outs, i = [], 0
+    for s in splits:
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, None if mask is None else mask[:, i:i + s],
+                                      window=kw["window"], sinks=kw["sinks"], scale=kw.get("scale"), chunk_size=kw["chunk_size"])
+        outs.append(o)
+        i += s
+    return torch.cat(outs, 2)
+
+
+def _splits(rng: random.Random, n: int) -> list[int]:
+    """A prefill of random length, maybe a multi-token chunk, then single tokens (sum n)."""
+    out = []
+    while sum(out) < n:
+        left = n - sum(out)
+        out.append(rng.randint(1, left) if not out or rng.random() < 0.2 else 1)
+    return out
+
+
+def _decode_disagrees(q, k, v, fm, kw, out: torch.Tensor, splits: list[int]) -> int:
+    """1 unless cached decoding gives the full op's NaN rows (in the case's dtype) and its values
+    (both recomputed in float64, so that the comparison is of the algorithms, not of the
+    rounding of an ill-conditioned signed-map normaliser)."""
+    dec = _decode(q, k, v, fm, kw, splits)
+    bad = ~torch.isfinite(out).all(-1)
+    if not torch.equal(bad, ~torch.isfinite(dec).all(-1)):
+        return 1
+    x64 = [t.double() for t in (q, k, v)]
+    o64, d64 = A(*x64, fm, **kw), _decode(*x64, fm, kw, splits)
+    bad = ~torch.isfinite(o64).all(-1)
+    if not torch.equal(bad, ~torch.isfinite(d64).all(-1)):
+        return 1
+    # the first W + S rows of a map with a feature part are left out: there the full op floors an
+    # exact part whose logits are all below log(eps) (test_exact_rows_before_any_feature_key_are_not_floored)
+    skip = 0 if getattr(fm, "null", False) else kw["window"] + kw["sinks"]
+    keep = ~bad
+    keep[:, :, :skip] = False
+    return int(bool(keep.any()) and rel(d64[keep], o64[keep]) > ORACLE_FP32)
+
+
+def _fuzz_case(rng: random.Random, maps: dict, case: int) -> tuple[int, int, int, int, int]:
     """Run one random case; return (non-finite outputs from finite inputs, outputs influenced by
-    later or padded positions, non-ValueError exceptions) — each 0 or 1."""
-    name = rng.choice(MAPS)
+    later or padded positions, non-ValueError exceptions (or a bad argument accepted), cached
+    decoding disagreeing with the full op, cases decoded) — each 0 or 1."""
+    name = rng.choice(FUZZ_MAPS)
     d = rng.choice([4, 8])
     fm = maps.setdefault((name, d), hf_rfa.build_feature_map(name, head_dim=d, num_features=rng.choice([1, 4]), seed=case % 7))
     b, hkv, g = rng.choice([0, 1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
@@ -227,26 +291,46 @@ def _fuzz_case(rng: random.Random, maps: dict, case: int) -> tuple[int, int, int
     window = rng.choice([0, 0, 1, 2, 5, 100]) if causal or nq == nk else 0
     kw = dict(causal=causal, attention_mask=mask, window=window, sinks=rng.choice([0, 0, 1, 3]), chunk_size=rng.choice([1, 2, 4, 64]))
     native.set_native(rng.random() < 0.5)
+    # cached decoding: a third of the causal cases whose queries are all the keys
+    decode = causal and nq == nk and rng.random() < 0.35
     args = {"q": q, "k": k, "v": v, "feature_map": fm}
     if rng.random() < 0.15:  # bad argument: must be a ValueError
         args.update(_bad_argument(rng, q, k, v))
         kw.update({key: val for key, val in args.items() if key not in ("q", "k", "v", "feature_map")})
+        okw = {key: val for key, val in kw.items() if key in ("causal", "attention_mask", "window", "sinks", "chunk_size", "scale")}
+        calls = [lambda: A(args["q"], args["k"], args["v"], args["feature_map"], **okw)]
+        if decode and "attention_mask" not in args:  # (a mask of the wrong batch cannot be split into steps)
+            calls.append(lambda: _decode(args["q"], args["k"], args["v"], args["feature_map"], kw, [nk] if nk else [0]))
+        refused = 0
+        for call in calls:
+            try:
+                with torch.no_grad():
+                    call()
+            except ValueError:
+                refused += 1
+            except Exception:  # noqa: BLE001 - counted
+                pass
+        return 0, 0, int(refused < len(calls)), 0, int(len(calls) > 1)
+    if getattr(fm, "null", False) and window == 0 and kw["sinks"] == 0:  # window-only map with nothing to attend
         try:
             with torch.no_grad():
-                A(args["q"], args["k"], args["v"], args["feature_map"], **{key: val for key, val in kw.items() if key in ("causal", "attention_mask", "window", "sinks", "chunk_size", "scale")})
-        except ValueError:
-            return 0, 0, 0
+                A(q, k, v, fm, **kw)
+        except ValueError as e:
+            return 0, 0, int("window > 0 or sinks > 0" not in str(e)), 0, 0
         except Exception:  # noqa: BLE001 - counted
-            return 0, 0, 1
-        return 0, 0, 1  # accepted a bad argument
+            return 0, 0, 1, 0, 0
+        return 0, 0, 1, 0, 0
     injected = rng.random() < 0.3 and v.numel() > 0 and q.numel() > 0
     if injected:  # one non-finite entry in q, k or v
         x = args[rng.choice(["q", "k", "v"])]
         x[tuple(rng.randrange(s) for s in x.shape)] = rng.choice([float("inf"), float("-inf"), float("nan")])
+    disagrees = 0
     try:
         with torch.no_grad():
             out = A(q, k, v, fm, **kw)
             nonfinite = int(not injected and not bool(torch.isfinite(out).all()))
+            if decode:
+                disagrees = _decode_disagrees(q, k, v, fm, kw, out, _splits(rng, nk) if nk else [0])
             influenced = 0
             # later positions (causal): change keys/values at key positions >= p
             if causal and nk:
@@ -262,18 +346,23 @@ def _fuzz_case(rng: random.Random, maps: dict, case: int) -> tuple[int, int, int
                 k3, v3 = k3.masked_fill(pad, rng.choice([float("nan"), float("inf"), 1e4, -30.0])), v3.masked_fill(pad, rng.choice([float("-inf"), 1e4]))
                 out3 = A(q, k3, v3, fm, **kw)
                 influenced |= int(not torch.equal(out.nan_to_num(7.0), out3.nan_to_num(7.0)))
+                if decode:  # the same padded garbage through cached decoding
+                    disagrees |= _decode_disagrees(q, k3, v3, fm, kw, out3, _splits(rng, nk))
     except Exception:  # noqa: BLE001 - counted: valid arguments must not raise
-        return 0, 0, 1
-    return nonfinite, influenced, 0
+        return 0, 0, 1, disagrees, int(decode)
+    return nonfinite, influenced, 0, disagrees, int(decode)
 
 
 def test_fuzz_counts_are_zero():
-    """>= 2,000 seeded cases: 0 non-finite outputs from finite inputs, 0 outputs influenced by
-    later or padded positions, nothing but ValueError for bad arguments."""
+    """>= 2,000 seeded cases over every map (window-only "none" included): 0 non-finite outputs
+    from finite inputs, 0 outputs influenced by later or padded positions, nothing but ValueError
+    for bad arguments (and for "none" without window or sinks); a third of the causal cases also
+    run through cached decoding (``continue_attention``, random prefill/chunk/token splits), which
+    must give the full op's NaN rows and its values (float64, tolerances.py) and refuse the same bad arguments."""
     rng, maps = random.Random(17), {}
     before, threads = native.native_enabled(), torch.get_num_threads()
     torch.set_num_threads(1)  # tiny shapes: threads only add overhead
-    totals = [0, 0, 0]
+    totals = [0, 0, 0, 0, 0]
     try:
         for case in range(2000):
             for i, c in enumerate(_fuzz_case(rng, maps, case)):
@@ -281,5 +370,6 @@ def test_fuzz_counts_are_zero():
     finally:
         native.set_native(before)
         torch.set_num_threads(threads)
-    print(f"fuzz 2000 cases: non-finite from finite inputs {totals[0]}, influenced by later/padded {totals[1]}, non-ValueError {totals[2]}")
-    assert totals == [0, 0, 0]
+    print(f"fuzz 2000 cases: non-finite from finite inputs {totals[0]}, influenced by later/padded {totals[1]}, "
+          f"non-ValueError {totals[2]}, decode disagreeing {totals[3]} of {totals[4]} decoded")
+    assert totals[:4] == [0, 0, 0, 0] and totals[4] >= 300
