@@ -20,12 +20,11 @@ import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,102 +36,12 @@ from .. import evaluation, long_range
 from . import calibration, transfer
 from ...config import CONFIG_ATTR, RFAConfig
 from ...hf.convert import convert
+from .config import ConversionConfig
 
 logger = logging.getLogger(__name__)
 
 CAUSAL_LM, ENCODER, CLASSIFIER = "causal-lm", "encoder", "classifier"
 TMP_PREFIX = ".tmp-"
-
-
-@dataclass
-class ConversionConfig:
-    """Settings of one conversion run (``conversion/convert.py`` flags, same names)."""
-
-    model: str = field(metadata={"help": "Hub id, local folder, GGUF file or converted folder"})
-    output: str = field(default="out", metadata={"help": "folder to create (Hub-ready export + reports)"})
-    feature_map: str = "hedgehog"
-    num_features: int = 64
-    window: int = 64
-    sinks: int = 4
-    hybrid_mix: bool = field(default=True, metadata={"help": "learned per-head weight of features vs exact part (hedgehog)"})
-    learnable_projections: bool = field(default=False, metadata={"help": "random-projection maps (favor+, …): train the projections in attention transfer"})
-    transfer_tokens: int = 500_000
-    lora_tokens: int = 0
-    transfer_minutes: float | None = field(default=None, metadata={"help": "wall-time cap of attention transfer"})
-    lora_minutes: float | None = field(default=None, metadata={"help": "wall-time cap of LoRA"})
-    calibration_text: str | None = field(default=None, metadata={"help": "per-layer error text (file/dataset)"})
-    train_text: str | None = field(default=None, metadata={"help": "transfer + LoRA text (default: calibration text)"})
-    eval_text: str | None = None
-    context: int = field(default=1024, metadata={"help": "sequence length of transfer and LoRA (causal LMs)"})
-    lora_context: int | None = None
-    eval_contexts: list[int] = field(default_factory=lambda: [1024])
-    eval_tokens: int | None = field(default=16384, metadata={"help": "predicted tokens per evaluation (None: all)"})
-    error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
-    eval_sentences: int = 1000
-    window_only_baseline: bool = field(default=True, metadata={"help": "causal hybrids: also evaluate feature_map='none' (same window and sinks, far keys dropped) untrained and after its own LoRA with the same budget"})
-    copy_gaps: list[int] = field(default_factory=list, metadata={"help": "long range: copy task at these gaps (e.g. 512 3584; empty: skip)"})
-    copy_draws: int = field(default=8, metadata={"help": "long range: seeded draws of the copy task"})
-    passkey_lengths: list[int] = field(default_factory=list, metadata={"help": "long range: passkey retrieval at these prompt lengths, original and trained variants (empty: skip)"})
-    passkey_trials: int = field(default=20, metadata={"help": "long range: seeded passkey trials per (length, depth)"})
-    batch_size: int = 1
-    transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (None: all)"})
-    transfer_lr: float = 1e-2
-    lora_lr: float = 1e-3
-    lora_r: int = 8
-    baselines: bool = field(default=True, metadata={"help": "also evaluate pure random features and the untrained hybrid"})
-    random_hybrid: bool = field(default=True, metadata={"help": "baselines include random features + window + sinks"})
-    eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context with the op's quadratic twin (same math, faster on CPU); 0: never"})
-    random_feature_map: str = "favor+"
-    random_num_features: int = 256
-    generate_prompt: str | None = "The history of the city"
-    generate_tokens: int = 30
-    seed: int = 0
-    push_to_hub: str | None = None
-    base_model: str | None = field(default=None, metadata={"help": "Hub id the model was converted from (model card base_model; default: --model when it is a Hub id)"})
-    overwrite: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("copy_gaps", "passkey_lengths"):
-            v = getattr(self, name)
-            if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
-                raise ValueError(f"{name} must be a list of ints >= 1, got {v!r}")
-        for name in ("num_features", "context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features", "copy_draws", "passkey_trials"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("window", "sinks", "transfer_tokens", "lora_tokens", "generate_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if not self.eval_contexts or any(not isinstance(c, int) or c < 2 for c in self.eval_contexts):
-            raise ValueError(f"eval_contexts must be a non-empty list of ints >= 2, got {self.eval_contexts!r}")
-        for name in ("transfer_minutes", "lora_minutes"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-                raise ValueError(f"{name} must be None or a finite number >= 0, got {v!r}")
-        for name in ("transfer_lr", "lora_lr"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name in ("eval_tokens", "transfer_queries"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
-        RFAConfig(feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks)
-        if self.learnable_projections:
-            from ...feature_maps import feature_map_class
-            from ...feature_maps.random_projections import RandomProjectionMap
-
-            if not issubclass(feature_map_class(self.feature_map), RandomProjectionMap):
-                raise ValueError(f"learnable_projections needs a random-projection feature map, got feature_map={self.feature_map!r}")
-        RFAConfig(feature_map=self.random_feature_map, num_features=self.random_num_features)
-
-    def rfa_config(self) -> RFAConfig:
-        options = {"hybrid_mix": True} if self.hybrid_mix and self.feature_map == "hedgehog" and (self.window or self.sinks) else {}
-        if self.learnable_projections:
-            options["learnable"] = True
-        return RFAConfig(feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks, seed=self.seed, feature_map_options=options)
 
 
 # --------------------------------------------------------------------------- loading
@@ -284,7 +193,7 @@ def plotting_available() -> bool:
 def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
     total = _Timer()
     model, tok, kind = load_model(cfg.model)
-    report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": asdict(cfg), "rows": [], "stages": {}}
+    report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
     if kind == CAUSAL_LM:
         model = _run_causal(cfg, model, tok, report)
     else:
@@ -334,8 +243,8 @@ def _window_only_baseline(cfg: ConversionConfig, model: nn.Module, lora_stream, 
     """The strongest trivial baseline of a hybrid: the same window and sinks with every other key
     dropped (``feature_map="none"``), untrained and after its own LoRA with the same token budget
     (trained on a copy: ``model`` stays the original for the recipe). Returns the final row's name."""
-    convert(model, RFAConfig(feature_map="none", window=cfg.window, sinks=cfg.sinks, seed=cfg.seed))
-    label = f"window-only: window {cfg.window} + sinks {cfg.sinks}, no features"
+    convert(model, RFAConfig(feature_map="none", window=cfg.rfa.window, sinks=cfg.rfa.sinks, seed=cfg.seed))
+    label = f"window-only: window {cfg.rfa.window} + sinks {cfg.rfa.sinks}, no features"
     evaluate(f"{label}, untrained")
     if cfg.lora_tokens <= 0:
         return f"{label}, untrained"
@@ -381,16 +290,16 @@ def _run_causal(cfg: ConversionConfig, model: nn.Module, tok, report: dict) -> n
         convert(model, rnd)
         evaluate(f"{rnd.feature_map} m={rnd.num_features}, pure, untrained")
         errors[f"{rnd.feature_map} pure"] = calibration.layer_errors(model, err_batches, progress=cfg.progress)
-        if (cfg.window or cfg.sinks) and cfg.random_hybrid:
-            convert(model, RFAConfig.from_dict({**rnd.to_dict(), "window": cfg.window, "sinks": cfg.sinks}))
-            evaluate(f"{rnd.feature_map} m={rnd.num_features} + window {cfg.window} + sinks {cfg.sinks}, untrained")
+        if (cfg.rfa.window or cfg.rfa.sinks) and cfg.random_hybrid:
+            convert(model, RFAConfig.from_dict({**rnd.to_dict(), "window": cfg.rfa.window, "sinks": cfg.rfa.sinks}))
+            evaluate(f"{rnd.feature_map} m={rnd.num_features} + window {cfg.rfa.window} + sinks {cfg.rfa.sinks}, untrained")
     lora_stream = lambda: evaluation.shuffled_batches(train, cfg.lora_context or cfg.context, cfg.batch_size, cfg.seed + 7)  # noqa: E731
-    if cfg.window_only_baseline and (cfg.window or cfg.sinks) and target.feature_map != "none":
+    if cfg.rfa.window_only_baseline and (cfg.rfa.window or cfg.rfa.sinks) and target.feature_map != "none":
         baseline = _window_only_baseline(cfg, model, lora_stream, evaluate, report)
     else:
         baseline = None
     convert(model, target)
-    label = f"{target.feature_map} m={target.num_features}" + (f" + window {cfg.window} + sinks {cfg.sinks}" if cfg.window or cfg.sinks else ", pure")
+    label = f"{target.feature_map} m={target.num_features}" + (f" + window {cfg.rfa.window} + sinks {cfg.rfa.sinks}" if cfg.rfa.window or cfg.rfa.sinks else ", pure")
     trainable = bool(transfer.rfa_parameters(model))
     stream = evaluation.shuffled_batches(train, cfg.context, cfg.batch_size, cfg.seed)
     if trainable and getattr(next(iter(calibration.rfa_layers(model).values())).feature_map, "hybrid_mix", False):
@@ -470,7 +379,7 @@ def _run_encoder(cfg: ConversionConfig, model: nn.Module, tok, kind: str, report
         errors[f"{rnd.feature_map} pure"] = calibration.layer_errors(model, err_batches, progress=cfg.progress)
     target = cfg.rfa_config()
     convert(model, target)
-    label = f"{target.feature_map} m={target.num_features}" + (f" + window {cfg.window} + sinks {cfg.sinks}" if cfg.window or cfg.sinks else ", pure")
+    label = f"{target.feature_map} m={target.num_features}" + (f" + window {cfg.rfa.window} + sinks {cfg.rfa.sinks}" if cfg.rfa.window or cfg.rfa.sinks else ", pure")
 
     def stream():
         g = torch.Generator().manual_seed(cfg.seed)
