@@ -78,10 +78,10 @@ def convert_main(argv: list[str] | None = None) -> dict:
     _log_info()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
-    from .recipes.conversion.pipeline import _rows_markdown, run
+    from .recipes.conversion.pipeline import rows_markdown, run
 
     report = run(config_from_args(argv))
-    print(_rows_markdown(report["rows"]))
+    print(rows_markdown(report["rows"]))
     if "generation" in report:
         print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")
     print(f"\noutput: {report['output']}")
