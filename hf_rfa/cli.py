@@ -5,7 +5,7 @@
     hf-rfa-finetune     training/finetune.py         transformers.Trainer recipe
     hf-rfa-train        training/train_accelerate.py Accelerate loop with exact resume
 
-Flags: every command but ``hf-rfa-evaluate`` parses with ``transformers.HfArgumentParser`` over the
+Flags: every command parses with ``transformers.HfArgumentParser`` over the
 recipe dataclasses (:mod:`hf_rfa.recipes.flags`: the contained ``RFAConfig`` becomes flags of its
 own, defaults = the recommended recipe); every flag takes either spelling (``--feature-map`` /
 ``--feature_map``).
@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
+from typing import Literal
 
 CONVERT_DESCRIPTION = "Convert a checkpoint to random feature attention: transfer, (LoRA), quality report, export."
 EVALUATE_DESCRIPTION = "Perplexity, copy or passkey of any causal-LM checkpoint, original or converted; prints one JSON line."
@@ -38,15 +40,6 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or action.required:
             return action.help or ""
         return super()._get_help_string(action)
-
-
-def _add(p: argparse.ArgumentParser, flag: str, *more: str, **kwargs) -> argparse.Action:
-    """``p.add_argument(flag)`` that also accepts the underscore spelling (``--feature_map``)."""
-    names = [flag, *more]
-    alias = "--" + flag[2:].replace("-", "_")
-    if alias != flag:
-        names.append(alias)
-    return p.add_argument(*names, **kwargs)
 
 
 # --------------------------------------------------------------------------- hf-rfa-convert
@@ -91,6 +84,35 @@ def convert_main(argv: list[str] | None = None) -> dict:
 
 
 # --------------------------------------------------------------------------- hf-rfa-evaluate
+@dataclass
+class EvaluateArguments:
+    """``hf-rfa-evaluate`` flags. Invalid values raise ``ValueError`` naming the flag."""
+
+    model: str = field(metadata={"help": "folder, Hub id or .gguf file"})
+    task: Literal["perplexity", "copy", "passkey"] = field(default="perplexity", metadata={"help": "what to measure"})
+    text: str | None = field(default=None, metadata={"help": "perplexity and copy: file, wikipedia:<split> or name[:config]:split"})
+    context: int = field(default=1024, metadata={"help": "perplexity: window length"})
+    max_tokens: int | None = field(default=None, metadata={"help": "perplexity: evaluate this many tokens (evenly spread windows; None: all)"})
+    gap: int = field(default=512, metadata={"help": "copy: tokens of other text between the two copies"})
+    passage: int = field(default=256, metadata={"help": "copy: passage length in tokens"})
+    draws: int = field(default=8, metadata={"help": "copy: seeded draws"})
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192], metadata={"help": "passkey: prompt lengths"})
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9], metadata={"help": "passkey: depths of the key in [0, 1]"})
+    trials: int = field(default=20, metadata={"help": "passkey: seeded trials per (length, depth)"})
+    seed: int = field(default=0, metadata={"help": "seed of the copy draws and pass keys"})
+    progress: bool = field(default=True, metadata={"help": "progress bars"})
+
+    def __post_init__(self) -> None:
+        if self.task not in EVALUATE_TASKS:
+            raise ValueError(f"task (--task) must be one of {EVALUATE_TASKS}, got {self.task!r}")
+        if self.task in ("perplexity", "copy") and self.text is None:
+            raise ValueError(f"--task {self.task} needs --text")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens (--max-tokens) must be >= 1 (or omitted: all), got {self.max_tokens}")
+        if self.context < 2:
+            raise ValueError(f"context (--context) must be >= 2, got {self.context}")
+
+
 def evaluate_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-evaluate`` / ``conversion/evaluate.py``: one JSON line per call.
 
@@ -99,30 +121,14 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     the first and the second copy), ``passkey`` (a 5-digit key at depths 10/50/90% of filler text,
     greedy retrieval accuracy per length and depth). Seeded and deterministic.
     """
-    from .recipes import evaluation, long_range
+    from .recipes import evaluation, flags, long_range
     from .recipes.conversion.pipeline import CAUSAL_LM, load_model
 
-    p = argparse.ArgumentParser(description=EVALUATE_DESCRIPTION, formatter_class=_DefaultsFormatter)
-    _add(p, "--model", required=True, help="folder, Hub id or .gguf file")
-    _add(p, "--task", choices=EVALUATE_TASKS, default="perplexity", help="what to measure")
-    _add(p, "--text", default=None, help="perplexity and copy: file, wikipedia:<split> or name[:config]:split")
-    _add(p, "--context", type=int, default=1024, help="perplexity: window length")
-    _add(p, "--max-tokens", type=int, default=None, help="perplexity: evaluate this many tokens (evenly spread windows)")
-    _add(p, "--gap", type=int, default=512, help="copy: tokens of other text between the two copies")
-    _add(p, "--passage", type=int, default=256, help="copy: passage length in tokens")
-    _add(p, "--draws", type=int, default=8, help="copy: seeded draws")
-    _add(p, "--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="passkey: prompt lengths")
-    _add(p, "--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey: depths of the key in [0, 1]")
-    _add(p, "--trials", type=int, default=20, help="passkey: seeded trials per (length, depth)")
-    _add(p, "--seed", type=int, default=0, help="seed of the copy draws and pass keys")
-    _add(p, "--no-progress", dest="progress", action="store_false", help="no progress bars")
-    a = p.parse_args(argv)
-    if a.task in ("perplexity", "copy") and a.text is None:
-        p.error(f"--task {a.task} needs --text")
-    if a.max_tokens is not None and a.max_tokens < 1:
-        p.error(f"--max-tokens must be >= 1 (or omitted: all), got {a.max_tokens}")
-    if a.context < 2:
-        p.error(f"--context must be >= 2, got {a.context}")
+    p = flags.parser([EvaluateArguments], formatter_class=_DefaultsFormatter, description=EVALUATE_DESCRIPTION)
+    try:
+        (a,) = p.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:  # EvaluateArguments' checks: a usage error, like argparse's own
+        p.error(str(e))
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {a.task} is undefined")

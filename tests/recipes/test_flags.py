@@ -150,3 +150,19 @@ def test_flat_dict_round_trips_and_keeps_the_report_keys():
     argv = report.command_of(flat).split()[2:]
     again = config_from_args([*argv, "--calibration-text", "c", "--eval-text", "e"])
     assert again.rfa.feature_map == "hedgehog" and again.rfa.seed == 3 and again.baselines is False
+
+
+def test_evaluate_command_parses_with_hf_argument_parser(capsys):
+    from hf_rfa.cli import EvaluateArguments, evaluate_main
+
+    with pytest.raises(ValueError, match="max_tokens"):
+        EvaluateArguments(model="m", text="t", max_tokens=0)
+    with pytest.raises(ValueError, match="needs --text"):
+        EvaluateArguments(model="m", task="copy")
+    for argv, needle in ((["--model", "m", "--task", "nope"], "invalid choice"), (["--model", "m", "--task", "passkey", "--max_tokens", "0"], "--max-tokens")):
+        with pytest.raises(SystemExit):
+            evaluate_main(argv)
+        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate_main(["--help"])
+    assert "{perplexity,copy,passkey}" in capsys.readouterr().out
