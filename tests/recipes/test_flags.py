@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 from dataclasses import fields
 
 import pytest
@@ -147,9 +148,13 @@ def test_flat_dict_round_trips_and_keeps_the_report_keys():
     assert old_keys <= set(flat) and "rfa" not in flat and flat["layers"] == [1]
     assert flags.from_flags(ConversionConfig, flat) == cfg
     report = _script("conversion/report.py")
-    argv = report.command_of(flat).split()[2:]
+    argv = shlex.split(report.command_of(flat))[2:]
     again = config_from_args([*argv, "--calibration-text", "c", "--eval-text", "e"])
-    assert again.rfa.feature_map == "hedgehog" and again.rfa.seed == 3 and again.baselines is False
+    assert again.rfa == cfg.rfa and again.baselines is False
+    odd = config_from_args([*BASE, "--feature-map", "rfa", "--gate", "--layers", "0,2", "--chunk-size", "16", "--backend", "torch",
+                            "--no-checkpoint-blocks", "--redraw-interval", "5", "--feature-map-options", '{"x": 1}'])
+    again = config_from_args([*shlex.split(report.command_of(odd.to_dict()))[2:], "--calibration-text", "c", "--eval-text", "e"])
+    assert again.rfa == odd.rfa
 
 
 def test_evaluate_command_parses_with_hf_argument_parser(capsys):
