@@ -42,6 +42,18 @@ def command_of(cfg: dict) -> str:
             parts.append(flag)
     if cfg.get("learnable_projections"):
         parts.append("--learnable-projections")
+    # the other RFAConfig fields (flags since the configs were nested), where not at their default
+    if cfg.get("layers"):
+        parts += ["--layers", ",".join(map(str, cfg["layers"]))]
+    if cfg.get("gate"):
+        parts.append("--gate")
+    if cfg.get("checkpoint_blocks") is False:
+        parts.append("--no-checkpoint-blocks")
+    for k, default in (("redraw_interval", 0), ("chunk_size", 64), ("backend", "auto")):
+        if cfg.get(k, default) != default:
+            parts += [f"--{k.replace('_', '-')}", str(cfg[k])]
+    if cfg.get("feature_map_options"):
+        parts += ["--feature-map-options", json.dumps(cfg["feature_map_options"], sort_keys=True)]
     return " ".join(shlex.quote(p) for p in parts)
 
 

@@ -33,9 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 CLS_VARIANTS = {
     "softmax": ["--feature_map", "softmax"],
-    "favor+ (m=64)": ["--feature_map", "favor+", "--num_features", "64"],
-    "hedgehog (m=32)": ["--feature_map", "hedgehog", "--num_features", "32"],
-    "hybrid favor+ (m=64) + window 8": ["--feature_map", "favor+", "--num_features", "64", "--window", "8"],
+    "favor+ (m=64)": ["--feature_map", "favor+", "--num_features", "64", "--window", "0", "--sinks", "0"],
+    "hedgehog (m=32)": ["--feature_map", "hedgehog", "--num_features", "32", "--window", "0", "--sinks", "0"],
+    "hybrid favor+ (m=64) + window 8": ["--feature_map", "favor+", "--num_features", "64", "--window", "8", "--sinks", "0"],
 }
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from hf_rfa import redraw
+from hf_rfa import RFAConfig, redraw
 from hf_rfa.recipes.training import DataArguments, ModelArguments, RFAArguments, build_model, load_tokenizer, prepare, projection_fingerprint
 
 logger = logging.getLogger("fsdp_cpu_check")
@@ -53,7 +53,7 @@ def main() -> None:
 
     margs = ModelArguments(model_name_or_path=a.model_name_or_path)
     dargs = DataArguments(task="causal-lm", train_file=a.train_file, max_seq_length=a.block)
-    rargs = RFAArguments(feature_map=a.feature_map, num_features=a.num_features)
+    rargs = RFAArguments(rfa=RFAConfig(feature_map=a.feature_map, num_features=a.num_features))
     tok = load_tokenizer(margs)
     data = prepare(dargs, tok)
     torch.manual_seed(0)

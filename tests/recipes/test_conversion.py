@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hf_rfa
+from hf_rfa.cli import config_from_args
 from hf_rfa.recipes.conversion import pipeline
 from tiny_models import VOCAB, tiny_model
 
@@ -74,8 +75,8 @@ def tiny_dir(tmp_path_factory):
 
 def _args(tiny, fam, output, *extra):
     text = ["--calibration-text", tiny["sent"], "--eval-text", tiny["sent"]] if fam == "bert" else ["--calibration-text", tiny["cal"], "--eval-text", tiny["eval"]]
-    return ["--model", tiny[fam], "--output", str(output), "--num-features", "8", "--window", "4", "--sinks", "1",
-            "--transfer-tokens", "256", "--context", "32", "--eval-contexts", "32", "--eval-tokens", "256",
+    return ["--model", tiny[fam], "--output", str(output), "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
+            "--transfer-tokens", "256", "--lora-tokens", "0", "--context", "32", "--eval-contexts", "32", "--eval-tokens", "256",
             "--error-tokens", "64", "--random-num-features", "16", "--no-progress", *text, *extra]
 
 
@@ -135,16 +136,21 @@ def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
     assert all(fm.learnable for fm in maps)
     assert any(not torch.equal(fm.omega.detach(), hf_rfa.build_feature_map("favor+", head_dim=fm.head_dim, num_features=8, seed=fm.seed).omega) for fm in maps)
     with pytest.raises(ValueError, match="learnable_projections"):
-        pipeline.ConversionConfig(model="x", feature_map="hedgehog", learnable_projections=True)
+        pipeline.ConversionConfig(model="x", rfa=hf_rfa.RFAConfig(feature_map="hedgehog"), learnable_projections=True)
 
 
 def test_bad_config_names_field():
     with pytest.raises(ValueError, match="num_features"):
-        pipeline.ConversionConfig(model="x", num_features=0)
+        pipeline.ConversionConfig(model="x", rfa=hf_rfa.RFAConfig(num_features=0))
     with pytest.raises(ValueError, match="eval_contexts"):
         pipeline.ConversionConfig(model="x", eval_contexts=[])
-    with pytest.raises(ValueError, match="feature_map"):
-        pipeline.ConversionConfig(model="x", feature_map="nope")
+    with pytest.raises(ValueError, match="rfa must be an RFAConfig"):
+        pipeline.ConversionConfig(model="x", rfa={"feature_map": "favor+"})
+    base = ["--model", "m", "--output", "o", "--calibration-text", "c", "--eval-text", "e"]
+    with pytest.raises(ValueError, match="num_features"):
+        config_from_args([*base, "--num-features", "0"])
+    with pytest.raises(SystemExit):  # argparse lists the choices
+        config_from_args([*base, "--feature-map", "nope"])
 
 
 def test_evaluate_prints_json(tiny_dir, tmp_path):
@@ -187,8 +193,8 @@ def test_smollm2_quick_conversion_improves_over_untrained(tmp_path):
     cal = assets.wikipedia_text_file("calibration")
     ev = assets.wikipedia_text_file("eval")
     cfg = pipeline.ConversionConfig(
-        model=str(path), output=str(tmp_path / "out"), num_features=32, window=32, sinks=4,
-        transfer_tokens=4 * 512, context=512, eval_contexts=[512], eval_tokens=2048, error_tokens=512,
+        model=str(path), output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=32, window=32, sinks=4),
+        transfer_tokens=4 * 512, lora_tokens=0, context=512, eval_contexts=[512], eval_tokens=2048, error_tokens=512,
         calibration_text=str(cal), eval_text=str(ev), baselines=False, generate_tokens=0, progress=False,
     )
     rep = pipeline.run(cfg)
@@ -223,7 +229,7 @@ def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_di
     """Every hybrid conversion reports window-only (same window/sinks, its own LoRA with the same
     token budget) next to the feature rows, and the copy task for every variant."""
     cfg = pipeline.ConversionConfig(
-        model=tiny_dir["llama"], output=str(tmp_path / "out"), feature_map="favor+", num_features=16, window=4, sinks=1,
+        model=tiny_dir["llama"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1),
         transfer_tokens=0, lora_tokens=128, context=64, eval_contexts=[64], eval_tokens=256, error_tokens=64,
         calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, copy_gaps=[20], copy_draws=2,
         generate_prompt=None, progress=False,

@@ -90,7 +90,7 @@ def _cls_args(assets, **rfa) -> tuple[ModelArguments, DataArguments, RFAArgument
     return (
         ModelArguments(model_name_or_path=assets["bert"]),
         DataArguments(task="classification", train_file=assets["train_csv"], validation_file=assets["test_csv"], max_seq_length=32),
-        RFAArguments(**{"feature_map": "favor+", "num_features": 16, **rfa}),
+        RFAArguments(rfa=hf_rfa.RFAConfig(**{"feature_map": "favor+", "num_features": 16, **rfa})),
     )
 
 
@@ -103,15 +103,15 @@ def _cls_args(assets, **rfa) -> tuple[ModelArguments, DataArguments, RFAArgument
         (lambda: DataArguments(task="causal-lm", train_file="a.xlsx"), "train_file"),
         (lambda: DataArguments(task="causal-lm", train_file="a.txt", max_seq_length=0), "max_seq_length"),
         (lambda: ModelArguments(model_name_or_path="m", lora_r=-1), "lora_r"),
-        (lambda: RFAArguments(feature_map="nope"), "feature_map"),
-        (lambda: RFAArguments(num_features=0), "num_features"),
+        (lambda: RFAArguments(rfa="favor+"), "rfa must be an RFAConfig"),
+        (lambda: RFAArguments(rfa=hf_rfa.RFAConfig(num_features=0)), "num_features"),
         (lambda: RFAArguments(redraw_interval=-2), "redraw_interval"),
         (lambda: LoopArguments(output_dir="o", learning_rate=0), "learning_rate"),
         (lambda: LoopArguments(output_dir="o", lr_scheduler_type="warp"), "lr_scheduler_type"),
         (lambda: LoopArguments(output_dir="o", gradient_accumulation_steps=0), "gradient_accumulation_steps"),
         (lambda: LoopArguments(output_dir="o", push_to_hub=True), "hub_model_id"),
     ],
-    ids=["task", "no-data", "extension", "seq-len", "lora-r", "feature-map", "num-features", "redraw", "lr", "scheduler", "accumulation", "hub-id"],
+    ids=["task", "no-data", "extension", "seq-len", "lora-r", "rfa-type", "num-features", "redraw", "lr", "scheduler", "accumulation", "hub-id"],
 )
 def test_bad_arguments_raise_value_error_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
@@ -158,11 +158,11 @@ def test_build_model_converts_original_and_loads_converted(assets, tmp_path):
     assert hf_rfa.rfa_config_of(model).feature_map == "favor+" and len(list(hf_rfa.feature_maps(model))) == 2
     model.save_pretrained(tmp_path / "conv")
     tok.save_pretrained(tmp_path / "conv")
-    again = build_model(ModelArguments(model_name_or_path=str(tmp_path / "conv")), RFAArguments(feature_map="softmax"), "classification", tok, ["0", "1"])
+    again = build_model(ModelArguments(model_name_or_path=str(tmp_path / "conv")), RFAArguments(rfa=None), "classification", tok, ["0", "1"])
     assert projection_fingerprint(again) == projection_fingerprint(model)
     x = tok(["good movie", "bad plot very"], padding=True, return_tensors="pt")
     torch.testing.assert_close(again.eval()(**x).logits, model.eval()(**x).logits)
-    soft = build_model(model_args, RFAArguments(feature_map="softmax"), "classification", tok, ["0", "1"])
+    soft = build_model(model_args, RFAArguments(rfa=None), "classification", tok, ["0", "1"])
     assert hf_rfa.rfa_config_of(soft) is None and not list(hf_rfa.feature_maps(soft))
 
 
@@ -171,7 +171,7 @@ def test_lora_trains_feature_maps_and_saves_loadable_merged_model(assets, tmp_pa
     task = "classification" if family == "bert" else "causal-lm"
     model_args = ModelArguments(model_name_or_path=assets[family], lora_r=4)
     tok = load_tokenizer(model_args)
-    model = build_model(model_args, RFAArguments(feature_map="hedgehog", num_features=8), task, tok, ["0", "1"])
+    model = build_model(model_args, RFAArguments(rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8)), task, tok, ["0", "1"])
     model = apply_lora(model, model_args, task)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("lora_A" in n for n in trainable) and any(".rfa." in n and "weight_q" in n for n in trainable)
@@ -249,7 +249,7 @@ def _acc_args(assets, out, family="bert", **extra) -> list[str]:
         data = ["--task", "classification", "--train_file", assets["train_csv"], "--validation_file", assets["test_csv"]]
     else:
         data = ["--task", "causal-lm", "--train_file", assets["train_txt"], "--validation_file", assets["eval_txt"], "--max_seq_length", "16"]
-    args = ["--model_name_or_path", assets[family], *data, "--feature_map", "favor+", "--num_features", "16", "--redraw_interval", "2",
+    args = ["--model_name_or_path", assets[family], *data, "--feature_map", "favor+", "--num_features", "16", "--window", "0", "--sinks", "0", "--redraw_interval", "2",
             "--max_train_steps", "6", "--learning_rate", "1e-3", "--disable_tqdm", "true", "--output_dir", str(out), "--seed", "0"]
     for k, v in extra.items():
         args += [f"--{k}", str(v)]

@@ -6,9 +6,11 @@ field in ``__post_init__``, as in ``transformers``' example scripts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from ...config import RFAConfig
+from ..flags import FlagSpec, recipe_config
 
 TASKS = ("causal-lm", "classification")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -50,37 +52,38 @@ class ModelArguments:
 
 @dataclass
 class RFAArguments:
-    """Random feature attention settings used when converting an original checkpoint.
+    """How an original checkpoint is converted: one :class:`RFAConfig` (``rfa``; default: the
+    recommended recipe) or None (exact softmax, the baseline; ``--feature_map softmax``).
 
-    ``feature_map="softmax"`` keeps exact attention (the baseline). For a converted checkpoint
-    these are ignored (its saved ``rfa_config`` is used) except ``redraw_interval`` if given.
+    On the command line the ``RFAConfig`` fields are flags of their own (``--feature_map``,
+    ``--num_features``, ...; its seed is ``--rfa_seed`` and its layers ``--rfa_layers 0,1``: the
+    training arguments have a ``seed`` of their own). A converted checkpoint keeps its saved
+    settings; only ``redraw_interval`` applies to it too, when given.
     """
 
-    feature_map: str = field(default="favor+", metadata={"help": "feature map name, or 'softmax' for no conversion"})
-    num_features: int = field(default=64, metadata={"help": "m, random / learned features per head"})
-    window: int = field(default=0, metadata={"help": "hybrid: exact softmax over a local window of W tokens (0: none)"})
-    sinks: int = field(default=0, metadata={"help": "hybrid: first S tokens attended exactly"})
-    gate: bool = field(default=False, metadata={"help": "learned decay gate (feature_map='rfa')"})
-    rfa_seed: int = field(default=0, metadata={"help": "projection seed; layer l draws from (seed, l, redraw step)"})
-    redraw_interval: int | None = field(default=None, metadata={"help": "redraw projections every N optimizer steps (0: never; default: the config's)"})
-    rfa_layers: str | None = field(default=None, metadata={"help": "comma-separated layer indices to convert (default: all)"})
+    CLI: ClassVar[FlagSpec] = FlagSpec(rename={"seed": "rfa_seed", "layers": "rfa_layers"}, skip=("redraw_interval",), none_value="softmax")
+
+    rfa: RFAConfig | None = field(default_factory=recipe_config, metadata={"help": "attention settings of the converted layers (None: exact softmax)"})
+    redraw_interval: int | None = field(default=None, metadata={"help": "redraw projections every N optimizer steps (0: never; default: a converted checkpoint's saved value, else 0)"})
 
     def __post_init__(self) -> None:
-        if self.redraw_interval is not None and self.redraw_interval < 0:
-            raise ValueError(f"redraw_interval must be >= 0, got {self.redraw_interval!r}")
-        if not self.is_softmax:
-            self.to_rfa_config()  # validates every field, ValueError names it
+        if self.rfa is not None and not isinstance(self.rfa, RFAConfig):
+            raise ValueError(f"rfa must be an RFAConfig or None (exact softmax), got {type(self.rfa).__name__}")
+        if self.redraw_interval is not None:
+            if not isinstance(self.redraw_interval, int) or isinstance(self.redraw_interval, bool) or self.redraw_interval < 0:
+                raise ValueError(f"redraw_interval must be None or an int >= 0, got {self.redraw_interval!r}")
+            if self.rfa is not None and self.rfa.redraw_interval != self.redraw_interval:
+                self.rfa = replace(self.rfa, redraw_interval=self.redraw_interval)
 
     @property
     def is_softmax(self) -> bool:
-        return self.feature_map == "softmax"
+        return self.rfa is None
 
     def to_rfa_config(self) -> RFAConfig:
-        layers = [int(i) for i in self.rfa_layers.split(",") if i.strip()] if self.rfa_layers else None
-        return RFAConfig(
-            feature_map=self.feature_map, num_features=self.num_features, window=self.window, sinks=self.sinks,
-            gate=self.gate, seed=self.rfa_seed, redraw_interval=self.redraw_interval or 0, layers=layers,
-        )
+        """The config an original checkpoint is converted with (``ValueError`` for softmax)."""
+        if self.rfa is None:
+            raise ValueError("rfa is None (exact softmax): there is no RFAConfig to convert with")
+        return self.rfa
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""``ConversionConfig``: the settings of one conversion run (``hf-rfa-convert`` flags, same names).
+
+The model's attention settings are one :class:`~hf_rfa.config.RFAConfig` field (``rfa``, default:
+the recommended recipe :data:`hf_rfa.recipes.flags.RECIPE`); the other fields say what the
+workflow does around it: transfer and LoRA budgets, texts, evaluation, baselines, export.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from ...config import RFAConfig
+from ..flags import FlagSpec, flat_dict, recipe_config
+
+
+@dataclass
+class ConversionConfig:
+    """Settings of one conversion run. Invalid values raise ``ValueError`` naming the field."""
+
+    CLI: ClassVar[FlagSpec] = FlagSpec(required=("output", "calibration_text", "eval_text"), zero_is_none=("eval_tokens", "transfer_queries"))
+
+    model: str = field(metadata={"help": "Hub id (e.g. gpt2), local folder, .gguf file or converted folder"})
+    output: str = field(default="out", metadata={"help": "folder to create (written to a temp dir, renamed at the end)"})
+    rfa: RFAConfig = field(default_factory=recipe_config, metadata={"help": "attention settings of the converted layers (seed: also of training and evaluation draws)"})
+    hybrid_mix: bool = field(default=True, metadata={"help": "hedgehog hybrids: learned per-head weight of features vs exact part"})
+    learnable_projections: bool = field(default=False, metadata={"help": "random-projection maps (favor+, positive, rff…): attention transfer trains the projections"})
+    transfer_tokens: int = field(default=500_000, metadata={"help": "tokens of attention transfer (learned maps; 0: skip)"})
+    lora_tokens: int = field(default=8192, metadata={"help": "tokens of the LoRA stage (causal LMs; 0: skip)"})
+    transfer_minutes: float | None = field(default=None, metadata={"help": "safety limit of attention transfer: reaching it before transfer_tokens fails the run (budgets are tokens)"})
+    lora_minutes: float | None = field(default=None, metadata={"help": "safety limit of LoRA: reaching it before lora_tokens fails the run (budgets are tokens)"})
+    calibration_text: str | None = field(default=None, metadata={"help": "text of the per-layer error table: file, wikipedia:<split>, rotten_tomatoes:<split> or name[:config]:split"})
+    train_text: str | None = field(default=None, metadata={"help": "transfer/LoRA text (None: the calibration text)"})
+    eval_text: str | None = field(default=None, metadata={"help": "held-out evaluation text (same forms as calibration_text)"})
+    context: int = field(default=1024, metadata={"help": "sequence length of transfer and LoRA (causal LMs)"})
+    lora_context: int | None = field(default=None, metadata={"help": "sequence length of LoRA (None: context)"})
+    eval_contexts: list[int] = field(default_factory=lambda: [1024], metadata={"help": "contexts at which perplexity is measured"})
+    eval_tokens: int | None = field(default=16384, metadata={"help": "predicted tokens per evaluation (0 or None: all)"})
+    error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
+    eval_sentences: int = field(default=1000, metadata={"help": "encoders: held-out sentences for embedding cosine / accuracy"})
+    window_only_baseline: bool = field(default=True, metadata={"help": "causal hybrids: also evaluate feature_map='none' (same window and sinks, far keys dropped) untrained and after its own LoRA with the same budget"})
+    copy_gaps: list[int] = field(default_factory=list, metadata={"help": "long range: copy task at these gaps, every variant (e.g. 512 3584; empty: skip)"})
+    copy_draws: int = field(default=8, metadata={"help": "long range: seeded draws of the copy task"})
+    passkey_lengths: list[int] = field(default_factory=list, metadata={"help": "long range: passkey retrieval at these prompt lengths, original and trained variants (empty: skip)"})
+    passkey_trials: int = field(default=20, metadata={"help": "long range: seeded passkey trials per (length, depth)"})
+    batch_size: int = field(default=1, metadata={"help": "sequences per step of transfer and LoRA (causal LMs)"})
+    transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (0 or None: all)"})
+    transfer_lr: float = field(default=1e-2, metadata={"help": "learning rate of attention transfer"})
+    lora_lr: float = field(default=1e-3, metadata={"help": "learning rate of LoRA"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    baselines: bool = field(default=True, metadata={"help": "also evaluate pure random features and the untrained random-feature hybrid"})
+    random_hybrid: bool = field(default=True, metadata={"help": "baselines include random features + window + sinks"})
+    eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context with the op's quadratic twin (same math, faster on CPU); 0: never"})
+    random_feature_map: str = field(default="favor+", metadata={"help": "feature map of the random-feature baselines"})
+    random_num_features: int = field(default=256, metadata={"help": "features of the random-feature baselines"})
+    generate_prompt: str | None = field(default="The history of the city", metadata={"help": "causal LMs: greedy generation sample after this prompt (None: skip)"})
+    generate_tokens: int = field(default=30, metadata={"help": "tokens of the generation sample (0: skip)"})
+    push_to_hub: str | None = field(default=None, metadata={"help": "upload the output folder to this Hub repo (a failed upload keeps the folder and says how to retry)"})
+    base_model: str | None = field(default=None, metadata={"help": "Hub id the model was converted from, for the model card (None: model, when it is a Hub id)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder written by hf_rfa"})
+    progress: bool = field(default=True, metadata={"help": "progress bars"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rfa, RFAConfig):
+            raise ValueError(f"rfa must be an RFAConfig, got {type(self.rfa).__name__}")
+        for name in ("copy_gaps", "passkey_lengths"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
+                raise ValueError(f"{name} must be a list of ints >= 1, got {v!r}")
+        for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features", "copy_draws", "passkey_trials"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max"):
+            _check_int(name, getattr(self, name), 0)
+        if not self.eval_contexts or any(not isinstance(c, int) or c < 2 for c in self.eval_contexts):
+            raise ValueError(f"eval_contexts must be a non-empty list of ints >= 2, got {self.eval_contexts!r}")
+        for name in ("transfer_minutes", "lora_minutes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise ValueError(f"{name} must be None or a finite number >= 0, got {v!r}")
+        for name in ("transfer_lr", "lora_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("eval_tokens", "transfer_queries", "lora_context"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1, "None or ")
+        if self.learnable_projections:
+            from ...feature_maps import feature_map_class
+            from ...feature_maps.random_projections import RandomProjectionMap
+
+            if not issubclass(feature_map_class(self.rfa.feature_map), RandomProjectionMap):
+                raise ValueError(f"learnable_projections needs a random-projection feature map, got feature_map={self.rfa.feature_map!r}")
+        RFAConfig(feature_map=self.random_feature_map, num_features=self.random_num_features)
+
+    @property
+    def seed(self) -> int:
+        """``rfa.seed``: projections, data order and evaluation draws."""
+        return self.rfa.seed
+
+    def rfa_config(self) -> RFAConfig:
+        """The converted layers' config: ``rfa`` plus the map options that ``hybrid_mix`` and
+        ``learnable_projections`` switch on."""
+        options = dict(self.rfa.feature_map_options)
+        if self.hybrid_mix and self.rfa.feature_map == "hedgehog" and (self.rfa.window or self.rfa.sinks):
+            options["hybrid_mix"] = True
+        if self.learnable_projections:
+            options["learnable"] = True
+        return replace(self.rfa, feature_map_options=options)
+
+    def to_dict(self) -> dict:
+        """Flat: the ``rfa`` fields next to the others (``report.json``'s ``config``, keys as before)."""
+        return flat_dict(self)
+
+
+def _check_int(name: str, v, low: int, prefix: str = "") -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ValueError(f"{name} must be {prefix}an int >= {low}, got {v!r}")
+
+
+__all__ = ["ConversionConfig"]

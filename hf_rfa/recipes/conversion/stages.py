@@ -1,0 +1,253 @@
+"""The conversion workflow as ordered lists of small stages over one :class:`~.state.State`.
+
+:data:`STAGES` gives the list per model kind; :func:`run_stages` runs it. Read a list top to
+bottom to follow a run: each stage calls down into :mod:`.calibration`, :mod:`.transfer`,
+:mod:`hf_rfa.recipes.evaluation` and :func:`hf_rfa.convert`, never back up.
+
+causal LM:  texts → original → random baselines → window-only baseline → convert → init mixing →
+            untrained errors → attention transfer → LoRA → metrics → generation sample
+encoder:    sentences → original → random baselines → convert → init mixing → untrained errors →
+            attention transfer → metrics
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable
+
+import torch
+
+from .. import evaluation
+from . import calibration, transfer
+from ...config import RFAConfig
+from ...hf.convert import convert
+from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
+from .state import State, evaluate
+
+logger = logging.getLogger(__name__)
+
+ORIGINAL = "original (softmax)"
+
+
+def _max_seconds(minutes: float | None) -> float | None:
+    return None if minutes is None else 60 * minutes
+
+
+# --------------------------------------------------------------------------- inputs and the original
+def load_texts(s: State) -> None:
+    """Causal: tokenised calibration / train / eval text, calibration windows of the error table."""
+    cfg = s.cfg
+    if cfg.calibration_text is None or cfg.eval_text is None:
+        raise ValueError("calibration_text and eval_text are required for causal LMs")
+    cal = evaluation.tokenize(s.tok, evaluation.load_text(cfg.calibration_text))
+    train = evaluation.tokenize(s.tok, evaluation.load_text(cfg.train_text)) if cfg.train_text else cal
+    s.ids = {"calibration": cal, "train": train, "eval": evaluation.tokenize(s.tok, evaluation.load_text(cfg.eval_text))}
+    s.report["text_tokens"] = {k: v.numel() for k, v in s.ids.items()}
+    n = max(1, cfg.error_tokens // cfg.context)
+    s.error_batches = [(w.unsqueeze(0), None) for w in evaluation.token_windows(cal, min(cfg.context, cal.numel()), n)]
+    s.train_stream = lambda: evaluation.shuffled_batches(train, cfg.context, cfg.batch_size, cfg.seed)
+
+
+def load_sentences(s: State) -> None:
+    """Encoders: calibration / train / eval sentences (eval labels), error batches, training stream."""
+    cfg = s.cfg
+    if cfg.calibration_text is None or cfg.eval_text is None:
+        raise ValueError("calibration_text and eval_text are required for encoders")
+    cal, _ = evaluation.load_labelled(cfg.calibration_text)
+    train = evaluation.load_labelled(cfg.train_text)[0] if cfg.train_text else cal
+    ev, labels = evaluation.load_labelled(cfg.eval_text)
+    s.texts = {"train": train, "eval": ev[: cfg.eval_sentences], "labels": labels[: cfg.eval_sentences] if labels else None}
+    s.error_batches = list(evaluation.sentence_batches(s.tok, cal[:64], 16))
+
+    def stream():
+        g = torch.Generator().manual_seed(cfg.seed)
+        while True:
+            order = torch.randperm(len(train), generator=g).tolist()
+            yield from evaluation.sentence_batches(s.tok, [train[i] for i in order], 16)
+
+    s.train_stream = stream
+
+
+def evaluate_original(s: State) -> None:
+    """Causal: the original's perplexity and long-range rows (with passkey)."""
+    evaluate(s, ORIGINAL, passkey=True)
+
+
+def embed_original(s: State) -> None:
+    """Encoders: the original's embeddings are the reference (cosine 1), its accuracy the baseline."""
+    t = s.texts
+    t["reference"] = evaluation.sentence_embeddings(s.model, s.tok, t["eval"], progress=s.cfg.progress)
+    row = {"variant": ORIGINAL, "cosine_mean": 1.0, "cosine_min": 1.0, "sentences": len(t["eval"])}
+    if s.kind == CLASSIFIER and t["labels"] is not None:
+        row["accuracy"] = evaluation.accuracy(s.model, s.tok, t["eval"], t["labels"], progress=s.cfg.progress)["accuracy"]
+    s.rows.append(row)
+
+
+# --------------------------------------------------------------------------- baselines
+def random_baselines(s: State) -> None:
+    """Untrained random features (``random_feature_map``), pure; for causal hybrids also with the
+    same window and sinks (``random_hybrid``)."""
+    cfg = s.cfg
+    if not cfg.baselines:
+        return
+    rnd = RFAConfig(feature_map=cfg.random_feature_map, num_features=cfg.random_num_features, seed=cfg.seed)
+    convert(s.model, rnd)
+    evaluate(s, f"{rnd.feature_map} m={rnd.num_features}, pure, untrained")
+    s.layer_errors(f"{rnd.feature_map} pure")
+    window, sinks = cfg.rfa.window, cfg.rfa.sinks
+    if s.kind == CAUSAL_LM and (window or sinks) and cfg.random_hybrid:
+        convert(s.model, RFAConfig.from_dict({**rnd.to_dict(), "window": window, "sinks": sinks}))
+        evaluate(s, f"{rnd.feature_map} m={rnd.num_features} + window {window} + sinks {sinks}, untrained")
+
+
+def _lora_stream(s: State):
+    cfg = s.cfg
+    return evaluation.shuffled_batches(s.ids["train"], cfg.lora_context or cfg.context, cfg.batch_size, cfg.seed + 7)
+
+
+def window_only_baseline(s: State) -> None:
+    """Causal hybrids: the same window and sinks with every other key dropped (``feature_map="none"``),
+    untrained and after its own LoRA with the same token budget (trained on a copy)."""
+    cfg = s.cfg
+    window, sinks = cfg.rfa.window, cfg.rfa.sinks
+    if not (cfg.window_only_baseline and (window or sinks) and cfg.rfa.feature_map != "none"):
+        return
+    convert(s.model, RFAConfig(feature_map="none", window=window, sinks=sinks, seed=cfg.seed))
+    label = f"window-only: window {window} + sinks {sinks}, no features"
+    evaluate(s, f"{label}, untrained")
+    s.baseline = f"{label}, untrained"
+    if cfg.lora_tokens <= 0:
+        return
+    trained, res = transfer.lora_finetune(
+        copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
+        max_seconds=_max_seconds(cfg.lora_minutes),
+    )
+    s.stages["lora (window-only)"] = res.as_dict()
+    s.baseline = f"{label}, after LoRA"
+    evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
+
+
+# --------------------------------------------------------------------------- the converted model
+def convert_target(s: State) -> None:
+    """Convert to the run's config (``ConversionConfig.rfa_config()``)."""
+    s.target = s.cfg.rfa_config()
+    convert(s.model, s.target)
+    window, sinks = s.target.window, s.target.sinks
+    s.label = f"{s.target.feature_map} m={s.target.num_features}" + (f" + window {window} + sinks {sinks}" if window or sinks else ", pure")
+
+
+def _trainable(s: State) -> bool:
+    return bool(transfer.rfa_parameters(s.model))
+
+
+def init_mixing(s: State) -> None:
+    """Hybrid-mix maps: set each head's feature/exact weight from one captured batch."""
+    if _trainable(s) and getattr(next(iter(calibration.rfa_layers(s.model).values())).feature_map, "hybrid_mix", False):
+        transfer.init_mixing(s.model, calibration.capture(s.model, *_mixing_batch(s)))
+
+
+def _mixing_batch(s: State):
+    if s.kind == CAUSAL_LM:
+        return next(evaluation.shuffled_batches(s.ids["train"], s.cfg.context, 1, s.cfg.seed + 1))
+    return next(s.train_stream())
+
+
+def evaluate_untrained(s: State) -> None:
+    """Per-layer errors and quality of the converted, untrained model."""
+    s.layer_errors(f"{s.label}, untrained")
+    s.final = f"{s.label}, untrained"
+    evaluate(s, s.final)
+
+
+def attention_transfer(s: State) -> None:
+    """Learned maps (or learnable projections): fit each layer's attention outputs to softmax's."""
+    cfg = s.cfg
+    if not (_trainable(s) and cfg.transfer_tokens > 0):
+        return
+    res = transfer.attention_transfer(
+        s.model, s.train_stream(), cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
+        queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None, max_seconds=_max_seconds(cfg.transfer_minutes),
+    )
+    s.stages["transfer"] = res.as_dict()
+    s.layer_errors(f"{s.label}, after transfer")
+    s.final = f"{s.label}, after attention transfer"
+    evaluate(s, s.final, res.as_dict())
+
+
+def lora(s: State) -> None:
+    """Causal LMs: LoRA on the converted model (merged back); its row counts transfer's budget too."""
+    cfg = s.cfg
+    if cfg.lora_tokens <= 0:
+        return
+    s.model, res = transfer.lora_finetune(
+        s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
+        max_seconds=_max_seconds(cfg.lora_minutes),
+    )
+    stage = res.as_dict()
+    if "transfer" in s.stages:
+        t = s.stages["transfer"]
+        stage = {**stage, "tokens": stage["tokens"] + t["tokens"], "minutes": stage["minutes"] + t["minutes"]}
+    s.stages["lora"] = res.as_dict()
+    s.final = f"{s.label}, after transfer + LoRA" if "transfer" in s.stages else f"{s.label}, after LoRA"
+    evaluate(s, s.final, stage, passkey=True)
+
+
+# --------------------------------------------------------------------------- results
+def causal_metrics(s: State) -> None:
+    """Model-card metrics: the final variant's perplexity against the original's (and window-only's)."""
+    s.report["final_variant"] = s.final
+    orig = {r["context"]: r for r in s.rows if r["variant"] == ORIGINAL}
+    for r in s.rows:
+        if r["variant"] != s.final:
+            continue
+        entry = {"converted": r["perplexity"], "original": orig[r["context"]]["perplexity"], "ratio": r["perplexity"] / orig[r["context"]]["perplexity"]}
+        # the window-only row with the same training budget, next to the features
+        b = next((x for x in s.rows if x["variant"] == s.baseline and x["context"] == r["context"]), None) if s.baseline else None
+        if b is not None:
+            entry["window_only"] = b["perplexity"]
+        s.metrics[f"perplexity @{r['context']} ({r['eval_tokens']} held-out tokens)"] = entry
+
+
+def encoder_metrics(s: State) -> None:
+    """Model-card metrics: the final variant's embedding cosine (and accuracy against the original's)."""
+    s.report["final_variant"] = s.final
+    last = [r for r in s.rows if r["variant"] == s.final][-1]
+    s.metrics[f"embedding cosine to original ({last['sentences']} held-out sentences)"] = {"mean": last["cosine_mean"], "min": last["cosine_min"]}
+    if "accuracy" in last:
+        s.metrics["accuracy"] = {"converted": last["accuracy"], "original": s.rows[0]["accuracy"]}
+
+
+def generation_sample(s: State) -> None:
+    """Causal LMs: a greedy sample of the final model (decoded with hf_rfa's constant-memory cache)."""
+    cfg = s.cfg
+    if not (cfg.generate_prompt and cfg.generate_tokens):
+        return
+    ids = s.tok(cfg.generate_prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = s.model.generate(**ids, max_new_tokens=cfg.generate_tokens, do_sample=False, pad_token_id=s.tok.pad_token_id)
+    s.report["generation"] = {"prompt": cfg.generate_prompt, "text": s.tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)}
+
+
+Stage = Callable[[State], None]
+_ENCODER: list[Stage] = [load_sentences, embed_original, random_baselines, convert_target, init_mixing, evaluate_untrained, attention_transfer, encoder_metrics]
+#: the stages of a run, in order, per model kind
+STAGES: dict[str, list[Stage]] = {
+    CAUSAL_LM: [
+        load_texts, evaluate_original, random_baselines, window_only_baseline, convert_target, init_mixing,
+        evaluate_untrained, attention_transfer, lora, causal_metrics, generation_sample,
+    ],
+    ENCODER: _ENCODER,
+    CLASSIFIER: _ENCODER,
+}
+
+
+def run_stages(s: State) -> State:
+    """Run ``STAGES[s.kind]`` in order over ``s``."""
+    for stage in STAGES[s.kind]:
+        logger.debug("stage %s", stage.__name__)
+        stage(s)
+    return s
+
+
+__all__ = ["STAGES", "Stage", "run_stages"]

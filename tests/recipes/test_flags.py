@@ -1,0 +1,173 @@
+"""One config family on the command line (issues 15/16): ``ConversionConfig`` and ``RFAArguments``
+contain an ``RFAConfig``; ``HfArgumentParser`` parses them flat; defaults are the recommended recipe."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+from dataclasses import fields
+
+import pytest
+
+from hf_rfa import RFAConfig
+from hf_rfa.cli import _parse_training, config_from_args, convert_parser
+from hf_rfa.recipes import flags
+from hf_rfa.recipes.conversion.config import ConversionConfig
+from hf_rfa.recipes.training import DataArguments, LoopArguments, ModelArguments, RFAArguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = ["--model", "m", "--output", "o", "--calibration-text", "c", "--eval-text", "e"]
+TRAIN = ["--model_name_or_path", "m", "--train_file", "a.txt", "--output_dir", "o"]
+TRAIN_CLASSES = (ModelArguments, DataArguments, RFAArguments, LoopArguments)
+
+
+def _script(path: str):
+    spec = importlib.util.spec_from_file_location("script_" + os.path.basename(path)[:-3], os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_convert_defaults_are_the_main_jobs_recipe():
+    cfg = config_from_args(BASE)
+    assert cfg.rfa == flags.recipe_config() == RFAConfig(feature_map="favor+", num_features=256, window=256, sinks=4)
+    assert cfg.lora_tokens == 8192
+    main_job = _script("conversion/main_job.py")
+    given = dict(zip(main_job.DEFAULT[::2], main_job.DEFAULT[1::2]))
+    for key in ("feature_map", "num_features", "window", "sinks"):
+        assert given[f"--{key.replace('_', '-')}"] == str(flags.RECIPE[key])
+
+
+def test_main_job_flags_give_the_same_config_as_before():
+    """The main job passes its flags explicitly: the parsed config is the one argparse gave."""
+    main_job = _script("conversion/main_job.py")
+    cfg = config_from_args([*main_job.DEFAULT, *BASE])
+    expected = ConversionConfig(
+        model="m", output="o", calibration_text="c", eval_text="e",
+        rfa=RFAConfig(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0), baselines=False,
+        context=1024, lora_tokens=8192, lora_context=1024, lora_minutes=30.0, eval_contexts=[1024, 4096, 8192],
+        eval_tokens=8192, error_tokens=1024, eval_twin_max=0, copy_gaps=[512, 3584], copy_draws=8,
+        passkey_lengths=[1024], passkey_trials=20, transfer_tokens=500_000,
+    )
+    assert cfg == expected
+    quick = config_from_args([*main_job.QUICK, *BASE])
+    assert (quick.rfa.num_features, quick.rfa.window, quick.random_hybrid, quick.lora_context) == (128, 64, False, 256)
+
+
+def test_every_rfa_config_field_is_a_flag_with_its_help():
+    conv = {f.name: f for f in fields(flags.flag_view(ConversionConfig))}
+    train = {f.name: f for f in fields(flags.flag_view(RFAArguments))}
+    for f in fields(RFAConfig):
+        assert f.name in conv, f.name
+        t = {"seed": "rfa_seed", "layers": "rfa_layers"}.get(f.name, f.name)
+        assert t in train, t
+        if f.name not in ("feature_map", "layers", "feature_map_options"):
+            assert conv[f.name].metadata["help"] == f.metadata["help"]
+    assert "seed" not in train  # the training loop's own --seed stays separate
+    assert "rfa" not in conv and "rfa" not in train
+
+
+@pytest.mark.parametrize("argv, attr, value", [
+    (["--feature_map", "hedgehog", "--num-features", "32"], "rfa.num_features", 32),
+    (["--feature-map", "rfa", "--gate"], "rfa.gate", True),
+    (["--layers", "0,2"], "rfa.layers", [0, 2]),
+    (["--layers", "3 1"], "rfa.layers", [1, 3]),
+    (["--feature-map-options", '{"learnable": true}'], "rfa.feature_map_options", {"learnable": True}),
+    (["--no-checkpoint-blocks"], "rfa.checkpoint_blocks", False),
+    (["--backend", "torch"], "rfa.backend", "torch"),
+    (["--seed", "7"], "seed", 7),
+    (["--eval-tokens", "0"], "eval_tokens", None),
+    (["--transfer_queries", "0"], "transfer_queries", None),
+    (["--no-hybrid-mix"], "hybrid_mix", False),
+    (["--no_baselines"], "baselines", False),
+    (["--learnable-projections"], "learnable_projections", True),
+    (["--copy-gaps", "5", "6"], "copy_gaps", [5, 6]),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_convert_flags(argv, attr, value):
+    obj = config_from_args([*BASE, *argv])
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    assert obj == value
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--num-features", "0"], "num_features"),
+    (["--layers", "0,x"], "--layers must be comma-separated"),
+    (["--feature-map-options", "[1]"], "--feature_map_options must be a JSON object"),
+    (["--feature-map-options", "{oops"], "--feature_map_options must be a JSON object"),
+    (["--feature-map", "none", "--window", "0", "--sinks", "0"], "window-only baseline"),
+    (["--lora-context", "0"], "lora_context"),
+])
+def test_convert_bad_values_name_the_field(argv, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_args([*BASE, *argv])
+
+
+def test_required_flags_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(["--model", "m", "--output", "o"])
+    assert "--calibration_text" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        config_from_args([*BASE, "--feature-map", "nope"])
+    assert "invalid choice" in capsys.readouterr().err
+    text = convert_parser().format_help()
+    assert "{elu,favor+,favor++,hedgehog,none,positive,rfa,rff,t2r}" in text.replace("\n", "")
+    assert "(default: favor+)" in text and "(default: 256)" in text
+
+
+def test_training_flags():
+    model, data, rfa, loop = _parse_training(TRAIN_CLASSES, [*TRAIN, "--rfa_seed", "3", "--seed", "5", "--rfa-layers", "0,1", "--num_features", "16"], (".json",))
+    assert rfa.rfa == RFAConfig(feature_map="favor+", num_features=16, window=256, sinks=4, seed=3, layers=[0, 1]) and loop.seed == 5
+    assert rfa.redraw_interval is None  # not given: a converted checkpoint keeps its own
+    _, _, soft, _ = _parse_training(TRAIN_CLASSES, [*TRAIN, "--feature_map", "softmax", "--redraw_interval", "4"], (".json",))
+    assert soft.rfa is None and soft.is_softmax and soft.redraw_interval == 4
+    _, _, given, _ = _parse_training(TRAIN_CLASSES, [*TRAIN, "--redraw-interval", "4"], (".json",))
+    assert given.rfa.redraw_interval == 4 == given.redraw_interval
+    with pytest.raises(ValueError, match="rfa is None"):
+        soft.to_rfa_config()
+    with pytest.raises(ValueError, match="num_features"):
+        _parse_training(TRAIN_CLASSES, [*TRAIN, "--num_features", "0"], (".json",))
+
+
+def test_training_json_config_file(tmp_path, monkeypatch):
+    cfg = {"model_name_or_path": "m", "train_file": "a.txt", "output_dir": "o", "feature_map": "hedgehog", "num_features": 8, "window": 0, "sinks": 0, "rfa_layers": "1"}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    monkeypatch.setattr("sys.argv", ["train", str(path)])
+    _, _, rfa, _ = _parse_training(TRAIN_CLASSES, None, (".json",))
+    assert rfa.rfa == RFAConfig(feature_map="hedgehog", num_features=8, layers=[1])
+
+
+def test_flat_dict_round_trips_and_keeps_the_report_keys():
+    cfg = config_from_args([*BASE, "--feature-map", "hedgehog", "--layers", "1", "--seed", "3", "--no-baselines"])
+    flat = cfg.to_dict()
+    old_keys = {"model", "output", "feature_map", "num_features", "window", "sinks", "seed", "hybrid_mix", "learnable_projections",
+                "transfer_tokens", "lora_tokens", "eval_contexts", "baselines", "random_num_features", "push_to_hub"}
+    assert old_keys <= set(flat) and "rfa" not in flat and flat["layers"] == [1]
+    assert flags.from_flags(ConversionConfig, flat) == cfg
+    report = _script("conversion/report.py")
+    argv = shlex.split(report.command_of(flat))[2:]
+    again = config_from_args([*argv, "--calibration-text", "c", "--eval-text", "e"])
+    assert again.rfa == cfg.rfa and again.baselines is False
+    odd = config_from_args([*BASE, "--feature-map", "rfa", "--gate", "--layers", "0,2", "--chunk-size", "16", "--backend", "torch",
+                            "--no-checkpoint-blocks", "--redraw-interval", "5", "--feature-map-options", '{"x": 1}'])
+    again = config_from_args([*shlex.split(report.command_of(odd.to_dict()))[2:], "--calibration-text", "c", "--eval-text", "e"])
+    assert again.rfa == odd.rfa
+
+
+def test_evaluate_command_parses_with_hf_argument_parser(capsys):
+    from hf_rfa.cli import EvaluateArguments, evaluate_main
+
+    with pytest.raises(ValueError, match="max_tokens"):
+        EvaluateArguments(model="m", text="t", max_tokens=0)
+    with pytest.raises(ValueError, match="needs --text"):
+        EvaluateArguments(model="m", task="copy")
+    for argv, needle in ((["--model", "m", "--task", "nope"], "invalid choice"), (["--model", "m", "--task", "passkey", "--max_tokens", "0"], "--max-tokens")):
+        with pytest.raises(SystemExit):
+            evaluate_main(argv)
+        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate_main(["--help"])
+    assert "{perplexity,copy,passkey}" in capsys.readouterr().out
