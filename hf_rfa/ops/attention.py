@@ -15,8 +15,9 @@ import torch
 
 from .backends import kernels, native, resolve
 from .bidirectional import bidirectional_feature_attention
+from .fused import causal_feature_attention
 from .hybrid import exact_local
-from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
+from .linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState

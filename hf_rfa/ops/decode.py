@@ -12,7 +12,7 @@ to float rounding), with the same hybrid split:
 
 The new tokens and the kept window form one short *local block*. Its keys that leave the window
 in this call are folded into the state: one key by ``recurrent.fold`` + ``read`` (a decoding
-step), many by ``linear.causal_feature_attention`` continued from the state (a long prompt's
+step), many by ``fused.causal_feature_attention`` continued from the state (a long prompt's
 prefill or a multi-token chunk), so each query reads exactly the keys older than its window. The
 exact part (window band + sinks) is computed for the new queries in chunks. Memory is
 ``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .linear import causal_feature_attention
+from .fused import causal_feature_attention
 from .masks import NEG, no_autocast
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
