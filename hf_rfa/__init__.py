@@ -9,6 +9,7 @@ Public API::
 
     model = hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="favor+", num_features=256))
     model.save_pretrained("out"); model = hf_rfa.from_pretrained("out", AutoModelForCausalLM)
+    for fm in hf_rfa.model_feature_maps(model): ...   # hf_rfa.feature_maps is the subpackage
 """
 
 from .config import RFAConfig
@@ -37,7 +38,9 @@ def _register_with_transformers() -> None:
 
 _register_with_transformers()
 
-from .hf.convert import convert, feature_maps, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
+from .hf.convert import convert, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
+# every feature map of a model; not named ``feature_maps``, which is the subpackage hf_rfa.feature_maps
+from .hf.convert import feature_maps as model_feature_maps  # noqa: E402
 
 try:  # with transformers: generate() of a converted model defaults to the constant-memory RFACache
     from .hf.cache import RFACache, RFACacheLayer, install_generate_hook  # noqa: E402
@@ -62,9 +65,9 @@ __all__ = [
     "build_feature_map",
     "convert",
     "export",
-    "feature_maps",
     "find_attention_modules",
     "from_pretrained",
+    "model_feature_maps",
     "push_to_hub",
     "quadratic_kernel_attention",
     "random_feature_attention",

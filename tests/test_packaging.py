@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_rfa
 
@@ -99,3 +100,24 @@ def test_convert_help_lists_choices_and_every_flag_has_help():
     assert "favor+" in text and "hedgehog" in text
     no_baselines = next(a for a in p._actions if "--no-baselines" in a.option_strings)
     assert "default" not in p._get_formatter()._get_help_string(no_baselines)
+
+
+def test_no_public_name_shadows_a_subpackage():
+    """``hf_rfa.<name>`` is the submodule whenever ``hf_rfa/<name>`` exists (no function bound over
+    a module name: ``import hf_rfa.feature_maps`` gives the subpackage); the model's feature maps
+    are ``hf_rfa.model_feature_maps``."""
+    import pkgutil
+    import types
+
+    for info in pkgutil.iter_modules(hf_rfa.__path__):
+        bound = getattr(hf_rfa, info.name, None)
+        assert bound is None or isinstance(bound, types.ModuleType), (info.name, bound)
+        assert info.name not in hf_rfa.__all__ or isinstance(bound, types.ModuleType), info.name
+    import hf_rfa.feature_maps as fm_pkg
+
+    assert isinstance(fm_pkg, types.ModuleType) and fm_pkg.__name__ == "hf_rfa.feature_maps"
+    assert fm_pkg.build_feature_map is hf_rfa.build_feature_map
+    assert "model_feature_maps" in hf_rfa.__all__ and "feature_maps" not in hf_rfa.__all__
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ModuleDict({"rfa": fm}))
+    assert list(hf_rfa.model_feature_maps(model)) == [fm]

@@ -131,7 +131,7 @@ class RFACacheLayer(CacheLayerMixin):
             )
         out, self.state = continue_attention(
             self.state, query, key, value, fm, attention_mask,
-            window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size,
+            window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend,
         )
         self._pending = False
         return out

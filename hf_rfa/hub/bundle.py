@@ -50,7 +50,9 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.backends.native",
     "hf_rfa.ops.backends.native.build",
     "hf_rfa.ops.bidirectional",
+    "hf_rfa.ops.chunkwise",
     "hf_rfa.ops.decode",
+    "hf_rfa.ops.fused",
     "hf_rfa.ops.hybrid",
     "hf_rfa.ops.linear",
     "hf_rfa.ops.masks",
@@ -58,6 +60,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.recompute",
     "hf_rfa.ops.recurrent",
     "hf_rfa.ops.reference",
+    "hf_rfa.ops.scan",
 )
 
 

@@ -1,7 +1,12 @@
 """Pure-PyTorch attention ops (nothing from transformers).
 
 - ``reference``: exact softmax and the quadratic kernelised form (test oracles)
-- ``linear``: bidirectional and chunkwise-parallel causal linear attention on features
+- ``linear``: bidirectional and causal linear attention on whole-sequence features (autograd forms)
+- ``chunkwise``: one block of the chunkwise-parallel causal form (and its block features)
+- ``scan``: the causal scan over blocks (block plan, state matrix, inference workspace path)
+- ``fused``: causal attention with the feature map applied block by block (the production form)
+- ``recompute``: training forms that recompute blocks in backward (O(N·D) activation memory)
+- ``decode``: incremental attention of new tokens from a summarised past (generation)
 - ``causal_infer``: the inference form of the causal block step (reused workspace, no autograd)
 - ``bidirectional``: bidirectional attention with keys folded block by block (inference form)
 - ``native``: optional compiled CPU kernel (C++, MKL) for causal inference with positive

@@ -7,16 +7,16 @@ has q's dtype.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from .backends import kernels, native, resolve
+from .backends import honoured, native, resolve
 from .bidirectional import bidirectional_feature_attention
+from .fused import causal_feature_attention
 from .hybrid import exact_local
-from .linear import bidirectional_linear, causal_feature_attention, causal_linear, shift_keys
+from .linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
@@ -101,9 +101,7 @@ def random_feature_attention(
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
-    # a call that asked for another backend does not run the compiled kernels even where they are enabled
-    ctx = kernels.suppressed() if backend not in ("auto", "compiled") and kernels.compile_enabled() else contextlib.nullcontext()
-    with ctx:
+    with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
         out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native")
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .linear import DEFAULT_BLOCK_SIZE, _with_ones
+from .chunkwise import with_ones
 from .masks import NEG
 from .partial import Partial
+from .scan import DEFAULT_BLOCK_SIZE
 
 
 @torch.no_grad()
@@ -47,7 +48,7 @@ def bidirectional_feature_attention(
     for t0 in range(0, nk, bs):
         fk = feature_map.forward_keys(k[:, :, t0 : t0 + bs].to(ct) * x_scale)
         kf, lk = fk.phi, fk.log_scale
-        va = _with_ones(v[:, :, t0 : t0 + bs].to(ct))
+        va = with_ones(v[:, :, t0 : t0 + bs].to(ct))
         if key_mask is not None:
             km = key_mask[:, None, t0 : t0 + bs]
             kf = kf * km.unsqueeze(-1)

@@ -12,7 +12,7 @@ to float rounding), with the same hybrid split:
 
 The new tokens and the kept window form one short *local block*. Its keys that leave the window
 in this call are folded into the state: one key by ``recurrent.fold`` + ``read`` (a decoding
-step), many by ``linear.causal_feature_attention`` continued from the state (a long prompt's
+step), many by ``fused.causal_feature_attention`` continued from the state (a long prompt's
 prefill or a multi-token chunk), so each query reads exactly the keys older than its window. The
 exact part (window band + sinks) is computed for the new queries in chunks. Memory is
 ``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
@@ -23,14 +23,18 @@ gates since it arrived), so it enters the state with the same weight ``Π g`` th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .linear import causal_feature_attention
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, guard_continuation, no_autocast, to_output_dtype, validate_qkv
+from .backends import honours_backend, resolve
+from .fused import causal_feature_attention
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -204,6 +208,7 @@ def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sin
 
 
 @no_autocast
+@honours_backend
 def continue_attention(
     state: DecodeState,
     q: torch.Tensor,
@@ -215,6 +220,7 @@ def continue_attention(
     sinks: int = 0,
     scale: float | None = None,
     chunk_size: int = 64,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, DecodeState]:
     """Causal attention of ``n`` new tokens given the summarised past.
 
@@ -224,6 +230,9 @@ def continue_attention(
         feature_map: the layer's :class:`~hf_rfa.feature_maps.FeatureMap`.
         attention_mask: ``[B, n]`` padding mask of the new tokens (1/True = real) or None.
         window, sinks, scale, chunk_size: as in ``random_feature_attention``.
+        backend: as in ``random_feature_attention`` (the same rule and refusals,
+            :func:`hf_rfa.ops.backends.resolve`; logged at DEBUG): it runs the feature scan of a
+            prefill / multi-token chunk; a single decoding step is the recurrent form.
     Returns:
         ``(out [B, H, n, Dv], new_state)``; out has q's dtype.
 
@@ -274,6 +283,11 @@ def continue_attention(
     xk = lk_raw.to(ct) * root
     vv = lv_raw.to(ct)
 
+    params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
+    grad = needs_grad(q, k, v, *state.tensors().values(), *params)
+    # a named backend is checked (and refused) here, as by the prefill op; "auto" is resolved
+    # only where a feature scan runs (a decoding step is the recurrent form: no kernel to choose)
+    be = resolve(backend, grad=grad, causal=True, device=dev, dtype=ct) if backend != "auto" else backend
     parts: list[Partial] = []
     if window > 0 or sinks > 0:
         xs = sink_k.to(ct) * root if sinks > 0 else None
@@ -320,8 +334,11 @@ def continue_attention(
             feats.append(read(linear, qf[:, :, :, early:], lq[..., early:] if lq is not None else None))
         else:  # prefill / multi-token chunk: chunkwise-parallel form, continued from the state
             lq_add = cl[:, :, None, early:].expand(b, hkv, g, e) if cl is not None else None
+            be = resolve(be, grad=grad, causal=True, device=dev, dtype=ct)
+            if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls
+                logger.debug("continue_attention: feature scan of %d key(s) by backend %s (requested %s)", e, be, backend)
             part, linear = causal_feature_attention(
-                feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear
+                feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear, backend=be,
             )
             feats.append(part)
         parts.append(Partial(

@@ -1,8 +1,8 @@
 """Training forms that keep activation memory O(N·D) per layer: recompute in backward.
 
 The autograd forms of the hybrid's exact band (:func:`hf_rfa.ops.hybrid.band_block`) and of the
-causal feature scan (:func:`hf_rfa.ops.linear._causal_block` on
-:func:`~hf_rfa.ops.linear.block_features`) save, for every layer, the band probabilities
+causal feature scan (:func:`hf_rfa.ops.chunkwise.causal_block` on
+:func:`~hf_rfa.ops.chunkwise.block_features`) save, for every layer, the band probabilities
 (``N × (C + W + S)`` per query head) and the block features (``N × F`` per head) and tiles.
 The two :class:`torch.autograd.Function`\\ s here run the forward block by block without a graph
 and save only their inputs (and, for the scan, the ``[F, Dv+1]`` state entering each block);
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .hybrid import BandPlan, band_block, band_forward, gather_sinks
-from .linear import ScanSpec, _block_step, _split, block_features
+from .chunkwise import block_features, block_step
+from .scan import ScanSpec, split_tokens
 
 
 def _leaf(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -108,7 +109,7 @@ def _scan_block(spec: ScanSpec, c: int, S, ref, xqb, xkb, vb, kmb, lqab, lkab):
     qf, lq, kf, lk, vb = block_features(spec.feature_map, xqb, xkb, vb, kmb, lqab, lkab, spec.x_scale, spec.ct, hkv)
     if not spec.scaled:
         lk = None
-    out, ls, S, ref = _block_step(qf, lq, kf, lk, vb, S, ref, c)
+    out, ls, S, ref = block_step(qf, lq, kf, lk, vb, S, ref, c)
     return out, (ls if lq is None else ls + lq), S, ref
 
 
@@ -146,8 +147,8 @@ class ScanFunction(torch.autograd.Function):
         key_mask, xq, xk, v, lq_add, lk_add, states, refs = ctx.saved_tensors
         sizes = [t for t, _ in spec.plan]
         cut = _cuts(sizes, key_mask, xq, xk, v, lq_add, lk_add)
-        douts = _split(dout, sizes, -2)
-        dlss = _split(dls, sizes, -1)
+        douts = split_tokens(dout, sizes, -2)
+        dlss = split_tokens(dls, sizes, -1)
         params = [p for p in spec.feature_map.parameters() if p.requires_grad] if isinstance(spec.feature_map, torch.nn.Module) else []
         dparams: list[torch.Tensor | None] = [None] * len(params)
         blocks: list[list] = []
@@ -177,4 +178,4 @@ class ScanFunction(torch.autograd.Function):
 
 def _cuts(sizes: list[int], key_mask, xq, xk, v, lq_add, lk_add) -> list:
     """Per-block slices of the scan's inputs (one split each, as the autograd form)."""
-    return [_split(xq, sizes, 2), _split(xk, sizes, 2), _split(v, sizes, 2), _split(key_mask, sizes, 1), _split(lq_add, sizes, -1), _split(lk_add, sizes, -1)]
+    return [split_tokens(xq, sizes, 2), split_tokens(xk, sizes, 2), split_tokens(v, sizes, 2), split_tokens(key_mask, sizes, 1), split_tokens(lq_add, sizes, -1), split_tokens(lk_add, sizes, -1)]

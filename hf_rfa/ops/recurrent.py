@@ -4,7 +4,7 @@ State per layer: ``S = Σ_s φ(k_s) v_sᵀ`` ``[B, Hkv, F, Dv]`` and ``z = Σ_s 
 both stored relative to a log reference ``ref`` ``[B, Hkv]`` (the running max of the keys' log
 scales, so states never overflow), plus ``log_gate_sum`` ``[B, Hkv]`` (cumulative log gate of
 gated RFA; 0 otherwise). Used for decoding and for folding a prefix into the state; the chunked
-parallel form in ``linear.py`` uses the same update.
+parallel form in ``chunkwise.py`` uses the same update.
 """
 
 from __future__ import annotations

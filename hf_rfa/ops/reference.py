@@ -1,7 +1,7 @@
 """Reference twins (test oracles): exact softmax attention and the quadratic kernelised form.
 
 Both are deliberately simple, O(N²) in memory, and written independently of the fast paths in
-``linear.py``/``hybrid.py``. Shapes: q ``[B, H, Nq, D]``, k/v ``[B, Hkv, Nk, D]``; in causal mode
+``linear.py``/``fused.py``/``hybrid.py``. Shapes: q ``[B, H, Nq, D]``, k/v ``[B, Hkv, Nk, D]``; in causal mode
 the queries are the *last* Nq key positions (as with a KV cache).
 """
 

@@ -207,6 +207,6 @@ def test_redraw_skips_learnable_maps():
     from tiny_models import tiny_model
 
     model = hf_rfa.convert(tiny_model("llama"), feature_map="favor+", num_features=8, feature_map_options={"learnable": True})
-    before = [fm.omega.detach().clone() for fm in hf_rfa.feature_maps(model)]
+    before = [fm.omega.detach().clone() for fm in hf_rfa.model_feature_maps(model)]
     assert hf_rfa.redraw(model, 5) == 0
-    assert all(torch.equal(a, fm.omega) for a, fm in zip(before, hf_rfa.feature_maps(model)))
+    assert all(torch.equal(a, fm.omega) for a, fm in zip(before, hf_rfa.model_feature_maps(model)))

@@ -259,7 +259,7 @@ MODELS = {"gpt2": _gpt2, "llama": _llama}
 
 def _converted(make, setting, **overrides):
     model = hf_rfa.convert(make(), hf_rfa.RFAConfig(**{**SETTINGS[setting], **overrides}))
-    for fm in hf_rfa.feature_maps(model):
+    for fm in hf_rfa.model_feature_maps(model):
         if getattr(fm, "has_gate", False):
             with torch.no_grad():
                 fm.gate_weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))

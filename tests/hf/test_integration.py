@@ -126,7 +126,7 @@ def test_selected_layers_only():
 def test_per_layer_projections_differ_and_are_seeded():
     a = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=16, seed=3))
     b = hf_rfa.convert(tiny_model("llama", seed=1), hf_rfa.RFAConfig(num_features=16, seed=3))
-    fa, fb = list(hf_rfa.feature_maps(a)), list(hf_rfa.feature_maps(b))
+    fa, fb = list(hf_rfa.model_feature_maps(a)), list(hf_rfa.model_feature_maps(b))
     assert torch.equal(fa[0].omega, fb[0].omega) and torch.equal(fa[1].omega, fb[1].omega)
     assert not torch.equal(fa[0].omega, fa[1].omega)
 
@@ -182,7 +182,7 @@ def test_save_and_load_round_trip(tmp_path, family, fm):
     assert type(loaded) is type(model)
     assert hf_rfa.rfa_config_of(loaded) == cfg
     assert torch.equal(run(loaded, ids, mask), ref)
-    fm0 = next(hf_rfa.feature_maps(loaded))
+    fm0 = next(hf_rfa.model_feature_maps(loaded))
     assert int(fm0.step) == 4
 
 
@@ -191,13 +191,13 @@ def test_learnable_projections_round_trip(tmp_path):
     cfg = hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=3, sinks=1, feature_map_options={"learnable": True})
     model = hf_rfa.convert(tiny_model("llama"), cfg)
     with torch.no_grad():
-        for fm in hf_rfa.feature_maps(model):
+        for fm in hf_rfa.model_feature_maps(model):
             fm.omega.add_(0.05 * torch.randn_like(fm.omega))
     ids, mask = batch("llama")
     ref = run(model, ids, mask)
     model.save_pretrained(tmp_path)
     loaded = hf_rfa.from_pretrained(str(tmp_path))
-    assert all(isinstance(fm.omega, torch.nn.Parameter) for fm in hf_rfa.feature_maps(loaded))
+    assert all(isinstance(fm.omega, torch.nn.Parameter) for fm in hf_rfa.model_feature_maps(loaded))
     assert torch.equal(run(loaded, ids, mask), ref)
 
 
@@ -278,9 +278,9 @@ def test_redraw_callback_with_trainer(tmp_path):
     trainer = tf.Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
     trainer.train()
     assert cb.redraws == 2  # after optimizer steps 2 and 4
-    fms = list(hf_rfa.feature_maps(model))
+    fms = list(hf_rfa.model_feature_maps(model))
     assert all(int(f.step) == 2 for f in fms)
     fresh = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=16, seed=5))
     hf_rfa.redraw(fresh, 2)
-    for a, b in zip(fms, hf_rfa.feature_maps(fresh)):
+    for a, b in zip(fms, hf_rfa.model_feature_maps(fresh)):
         assert torch.equal(a.omega, b.omega)

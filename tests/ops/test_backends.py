@@ -78,7 +78,7 @@ def test_torch_backend_without_grad_skips_compiled_kernels(monkeypatch):
     fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=8, seed=0)
     seen = []
     monkeypatch.setattr(kernels, "compiled", lambda fn: seen.append(fn) or fn)
-    positive = importlib.import_module("hf_rfa.feature_maps.positive")  # (hf_rfa.feature_maps is the public function)
+    positive = importlib.import_module("hf_rfa.feature_maps.positive")
     monkeypatch.setattr(positive, "_compiled", lambda fn: seen.append(fn) or fn)  # no real compile here
     hf_rfa.set_compile(True)
     try:
@@ -114,3 +114,55 @@ def test_backend_per_config_reaches_every_layer(caplog):
             outs[name] = model(input_ids=ids, attention_mask=mask).logits
         assert any(f"requested {name}" in r.getMessage() for r in caplog.records)
     assert (outs["auto"] - outs["torch"]).abs().max() <= PLUMBING_LOGITS
+
+
+def _decode(fm, q, k, v, mask, backend, prefill=50, **kw):
+    """A prefill of ``prefill`` tokens then one token at a time by ``continue_attention``."""
+    from hf_rfa.ops.decode import DecodeState, continue_attention
+
+    b, hkv, n, d = k.shape
+    st = DecodeState.empty(b, hkv, d, v.shape[-1], fm.feature_dim, kw.get("sinks", 0), q.dtype)
+    outs = []
+    for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, n)]:
+        out, st = continue_attention(st, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], fm, mask[:, t0:t1], backend=backend, **kw)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+def test_decode_honours_the_backend(rel_err, caplog, monkeypatch):
+    """generate()'s path (``ops.decode.continue_attention``) takes ``backend=`` as the prefill op
+    does: each backend gives the full op's result, the feature scan's backend is logged at DEBUG,
+    the same refusals, and a named backend never runs the compiled kernels."""
+    q, k, v, mask = _qkv(n=60)
+    fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=16, seed=0)
+    kw = dict(window=8, sinks=2, chunk_size=16)
+    with torch.no_grad():
+        full = random_feature_attention(q, k, v, fm, attention_mask=mask, backend="torch", **kw)
+    real = mask.bool()[:, None, :, None].expand(full.shape)
+    auto = backends.resolve("auto", grad=False, causal=True, device=CPU, dtype=F32)
+    for name in ["auto", "torch", "inference"] + (["native"] if native.usable(CPU, F32) else []):
+        with caplog.at_level(logging.DEBUG, logger="hf_rfa.ops.decode"), torch.no_grad():
+            caplog.clear()
+            out = _decode(fm, q, k, v, mask, name, **kw)
+        assert rel_err(out[real], full[real]) <= ORACLE_FP32, name
+        lines = [r.getMessage() for r in caplog.records if r.name == "hf_rfa.ops.decode"]
+        ran = auto if name == "auto" else name
+        assert lines == [f"continue_attention: feature scan of 42 key(s) by backend {ran} (requested {name})"], lines
+    with pytest.raises(ValueError, match="set_compile"), torch.no_grad():
+        _decode(fm, q, k, v, mask, "compiled", **kw)
+    with pytest.raises(ValueError, match="without autograd only"):
+        _decode(fm, q.clone().requires_grad_(), k, v, mask, "inference", **kw)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _decode(fm, q, k, v, mask, "cuda", **kw)
+    seen = []
+    monkeypatch.setattr(kernels, "compiled", lambda fn: seen.append(fn) or fn)
+    monkeypatch.setattr(importlib.import_module("hf_rfa.feature_maps.positive"), "_compiled", lambda fn: seen.append(fn) or fn)
+    hf_rfa.set_compile(True)
+    try:
+        with torch.no_grad():
+            _decode(fm, q, k, v, mask, "torch", **kw)
+            assert seen == []
+            _decode(fm, q, k, v, mask, "compiled", **kw)
+            assert seen, "backend='compiled' must reach the compiled kernels"
+    finally:
+        hf_rfa.set_compile(False)

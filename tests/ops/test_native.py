@@ -14,7 +14,7 @@ from tolerances import ORACLE_FP32
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, quadratic_kernel_attention
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.linear import causal_feature_attention
+from hf_rfa.ops.fused import causal_feature_attention
 
 HAVE_TOOLCHAIN = shutil.which("g++") is not None and native._ninja_on_path()
 

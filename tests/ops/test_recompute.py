@@ -10,7 +10,7 @@ import torch
 import hf_rfa
 from hf_rfa.ops.backends import native
 from hf_rfa.ops.hybrid import exact_local
-from hf_rfa.ops.linear import causal_feature_attention
+from hf_rfa.ops.fused import causal_feature_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
 

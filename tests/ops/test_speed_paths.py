@@ -9,7 +9,8 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, fold, quadratic_kernel_attention
-from hf_rfa.ops.linear import causal_feature_attention, causal_linear
+from hf_rfa.ops.fused import causal_feature_attention
+from hf_rfa.ops.linear import causal_linear
 from hf_rfa.ops.masks import NEG
 from tolerances import GRAD_FP32, ORACLE_FP32
 from conftest import rel
@@ -194,7 +195,7 @@ def test_fused_path_gradients(name):
 @pytest.mark.parametrize("name", ["favor+", "favor++", "hedgehog", "rff"])
 @pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
 def test_inference_form_matches_autograd_form(name, h, hkv):
-    """The same call with an autograd graph (``linear._causal_block``) and without one
+    """The same call with an autograd graph (``chunkwise.causal_block``) and without one
     (``causal_infer.causal_block_into`` on a reused workspace, output normalised in place): two
     full blocks and a short one, padded keys, GQA."""
     gen = torch.Generator().manual_seed(11)
@@ -203,10 +204,10 @@ def test_inference_form_matches_autograd_form(name, h, hkv):
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[1, :20] = False
     fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=16)
-    from hf_rfa.ops import linear
+    from hf_rfa.ops import scan
 
-    old = linear.DEFAULT_BLOCK_SIZE
-    linear.DEFAULT_BLOCK_SIZE = 128
+    old = scan.DEFAULT_BLOCK_SIZE
+    scan.DEFAULT_BLOCK_SIZE = 128
     try:
         qg = q.clone().requires_grad_()
         slow = hf_rfa.random_feature_attention(qg, k, v, fm, causal=True, attention_mask=mask, chunk_size=32).detach()
@@ -216,7 +217,7 @@ def test_inference_form_matches_autograd_form(name, h, hkv):
         q.requires_grad_(False)
         part, st = causal_feature_attention(fm, q, k, v, mask, chunk_size=32)
     finally:
-        linear.DEFAULT_BLOCK_SIZE = old
+        scan.DEFAULT_BLOCK_SIZE = old
     ref = quadratic_kernel_attention(q, k, v, fm, causal=True, attention_mask=mask)
     sel = mask.view(b, 1, n, 1).expand(fast.shape)
     assert rel(fast[sel], slow[sel]) <= ORACLE_FP32
@@ -332,9 +333,9 @@ def test_compiled_kernels_match_eager_and_quadratic(name, compiled_kernels):
         eager = hf_rfa.random_feature_attention(q, k, v, fm, causal=True)
         ref = quadratic_kernel_attention(q, k, v, fm, causal=True)
     from hf_rfa.ops.backends import kernels
-    from hf_rfa.ops.linear import _block_step
+    from hf_rfa.ops.chunkwise import block_step
 
-    assert _block_step in kernels._COMPILED  # the compiled kernel really ran
+    assert block_step in kernels._COMPILED  # the compiled kernel really ran
     assert rel(fast, eager) <= ORACLE_FP32
     assert rel(fast, ref) <= ORACLE_FP32
 

@@ -132,7 +132,7 @@ def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["stages"]["transfer"]["tokens"] >= 256
     model, _, _ = pipeline.load_model(str(tmp_path / "out"))
-    maps = list(hf_rfa.feature_maps(model))
+    maps = list(hf_rfa.model_feature_maps(model))
     assert all(fm.learnable for fm in maps)
     assert any(not torch.equal(fm.omega.detach(), hf_rfa.build_feature_map("favor+", head_dim=fm.head_dim, num_features=8, seed=fm.seed).omega) for fm in maps)
     with pytest.raises(ValueError, match="learnable_projections"):

@@ -155,7 +155,7 @@ def test_build_model_converts_original_and_loads_converted(assets, tmp_path):
     model_args, data_args, rfa_args = _cls_args(assets)
     tok = load_tokenizer(model_args)
     model = build_model(model_args, rfa_args, "classification", tok, ["0", "1"])
-    assert hf_rfa.rfa_config_of(model).feature_map == "favor+" and len(list(hf_rfa.feature_maps(model))) == 2
+    assert hf_rfa.rfa_config_of(model).feature_map == "favor+" and len(list(hf_rfa.model_feature_maps(model))) == 2
     model.save_pretrained(tmp_path / "conv")
     tok.save_pretrained(tmp_path / "conv")
     again = build_model(ModelArguments(model_name_or_path=str(tmp_path / "conv")), RFAArguments(rfa=None), "classification", tok, ["0", "1"])
@@ -163,7 +163,7 @@ def test_build_model_converts_original_and_loads_converted(assets, tmp_path):
     x = tok(["good movie", "bad plot very"], padding=True, return_tensors="pt")
     torch.testing.assert_close(again.eval()(**x).logits, model.eval()(**x).logits)
     soft = build_model(model_args, RFAArguments(rfa=None), "classification", tok, ["0", "1"])
-    assert hf_rfa.rfa_config_of(soft) is None and not list(hf_rfa.feature_maps(soft))
+    assert hf_rfa.rfa_config_of(soft) is None and not list(hf_rfa.model_feature_maps(soft))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])

@@ -10,7 +10,8 @@ from hf_rfa.recipes import evaluation
 from hf_rfa.recipes.conversion import calibration, transfer
 from hf_rfa.ops import quadratic_kernel_attention, softmax_attention
 from tiny_models import VOCAB, tiny_model
-from tolerances import ORACLE_FP32
+from conftest import rel
+from tolerances import GRAD_FP32, ORACLE_FP32
 
 HYBRID = dict(feature_map="hedgehog", num_features=16, window=4, sinks=1, feature_map_options={"hybrid_mix": True})
 
@@ -43,14 +44,68 @@ def test_capture_is_softmax_and_restores_implementation(fam):
     assert c.causal == (fam != "bert")
 
 
-def test_twin_equals_op_on_captured_inputs():
+@pytest.mark.parametrize("checkpoint", [None, False], ids=["layer-setting", "no-recompute"])
+@pytest.mark.parametrize("queries", [None, 9], ids=["all-queries", "last-9"])
+def test_production_path_equals_twin_values_and_grads(checkpoint, queries):
+    """``rfa_output`` (what transfer, LoRA and layer errors run: the op's autograd form) = the
+    quadratic twin on captured inputs of a hybrid GQA layer with padding: outputs on real rows and
+    the gradients of q, k, v and of the map's parameters (W, mix) under a random upstream gradient;
+    also on the last queries only (transfer's ``queries``) and without autograd (layer errors)."""
     m = tiny_model("llama")
     hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
-    caps = calibration.capture(m, torch.randint(2, VOCAB, (1, 40)))
+    gen = torch.Generator().manual_seed(3)
+    ids, mask = torch.randint(2, VOCAB, (2, 40), generator=gen), torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    cap = calibration.capture(m, ids, mask)[1]
     rfa = calibration.rfa_layers(m)[1]
-    a = calibration.rfa_output(rfa, caps[1])
-    b = calibration.rfa_output(rfa, caps[1], differentiable=True)
-    assert float((a - b).detach().norm() / b.detach().norm()) < ORACLE_FP32
+    fm = rfa.feature_map
+    params = [p for p in fm.parameters()]
+    assert params and rfa.checkpoint_blocks  # a trained map; the layer's default recomputes blocks
+    q = cap.q if queries is None else cap.q[:, :, -queries:]
+    real = cap.mask[:, None, -q.shape[2]:, None].to(q.dtype)  # [B,1,Nq,1]
+    up = torch.randn(q.shape[:-1] + (cap.v.shape[-1],), generator=gen) * real
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, cap.k, cap.v)]
+        for p in params:
+            p.grad = None
+        out = fn(calibration.Captured(*leaves, None, cap.mask, cap.causal, cap.scale))
+        out.backward(up)
+        return out.detach() * real, [x.grad for x in leaves] + [p.grad.clone() for p in params]
+
+    op, op_grads = run(lambda c: calibration.rfa_output(rfa, c, checkpoint_blocks=checkpoint))
+    twin, twin_grads = run(lambda c: quadratic_kernel_attention(
+        c.q, c.k, c.v, fm, causal=c.causal, attention_mask=c.mask, window=rfa.window, sinks=rfa.sinks, scale=c.scale))
+    assert rel(op, twin) <= ORACLE_FP32
+    for a, b in zip(op_grads, twin_grads):
+        assert float(b.norm()) > 0 and rel(a, b) <= GRAD_FP32
+    with torch.no_grad():
+        infer = calibration.rfa_output(rfa, calibration.Captured(q, cap.k, cap.v, None, cap.mask, cap.causal, cap.scale))
+    assert rel(infer * real, twin) <= ORACLE_FP32
+
+
+def test_recipes_run_the_op_and_transfer_follows_its_twin_rule(monkeypatch):
+    """LoRA and layer errors run the op (``random_feature_attention``), never the quadratic twin;
+    attention transfer runs the twin up to ``twin_max_keys`` keys and the op (without block
+    recomputation) above — the one visible rule (``transfer.TWIN_MAX_KEYS``)."""
+    calls, twins = [], []
+    real_op, real_twin = calibration.random_feature_attention, transfer.quadratic_kernel_attention
+    monkeypatch.setattr(calibration, "random_feature_attention", lambda *a, **k: calls.append(k["checkpoint_blocks"]) or real_op(*a, **k))
+    monkeypatch.setattr(transfer, "quadratic_kernel_attention", lambda *a, **k: twins.append(1) or real_twin(*a, **k))
+    assert 64 <= transfer.TWIN_MAX_KEYS < 1024  # tiny contexts: the twin; the pipeline's 1024: the op
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
+    transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, seed=0), tokens=64, progress=False, twin_max_keys=63)
+    assert calls == [False, False] and not twins  # 64 keys > 63: the op, one layer's graph at a time
+    calls.clear()
+    transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, seed=0), tokens=64, progress=False, twin_max_keys=64)
+    assert not calls and len(twins) == 2
+    twins.clear()
+    calibration.layer_errors(m, _batches(_ids(seed=1), 1), progress=False)
+    assert len(calls) == 2 and not twins
+    calls.clear()
+    transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=64, progress=False)
+    assert calls and set(calls) == {True} and not twins  # LoRA: the layer's checkpoint_blocks
 
 
 def test_hybrid_mix_default_off_and_pure_linear_unchanged():

@@ -1,7 +1,7 @@
 """Which implementation computes an attention call: a small registry and one visible rule.
 
 =============  ==================================================================================
-``torch``      the autograd forms (``ops.linear``, ``ops.hybrid``, ``ops.bidirectional``): training,
+``torch``      the autograd forms (``ops.chunkwise``/``ops.scan``, ``ops.hybrid``, ``ops.linear``): training,
                and the reference every other backend is tested against
 ``inference``  the PyTorch inference form (:mod:`.causal_infer`: reused workspaces, in-place
                passes; bidirectional keys folded block by block) — no autograd
@@ -21,6 +21,9 @@ DEBUG level (logger ``hf_rfa.ops.attention``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,4 +105,28 @@ def resolve(backend: str, *, grad: bool, causal: bool, device: torch.device, dty
     return backend
 
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "register_backend", "resolve"]
+def honoured(backend: str) -> contextlib.AbstractContextManager:
+    """The context a call that asked for ``backend`` runs in: one that asked for another backend
+    than ``"auto"`` or ``"compiled"`` does not run the compiled kernels even where they are enabled."""
+    if backend not in ("auto", "compiled") and kernels.compile_enabled():
+        return kernels.suppressed()
+    return contextlib.nullcontext()
+
+
+def honours_backend(fn: Callable) -> Callable:
+    """Decorator: ``fn`` runs in :func:`honoured` of its ``backend`` argument (default ``"auto"``),
+    as ``random_feature_attention`` does — no compiled kernel, the feature map's included, in a
+    call that asked for another backend."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not kernels.compile_enabled():
+            return fn(*args, **kwargs)
+        with honoured(sig.bind(*args, **kwargs).arguments.get("backend", "auto")):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "honoured", "honours_backend", "register_backend", "resolve"]

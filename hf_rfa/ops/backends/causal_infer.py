@@ -1,4 +1,4 @@
-"""The inference form of the causal block step: same math as ``linear._causal_block``, no
+"""The inference form of the causal block step: same math as ``chunkwise.causal_block``, no
 autograd, every intermediate written into buffers that are allocated once and reused.
 
 Why a second form: on a CPU the block step is a handful of mid-sized batched matmuls and
@@ -12,8 +12,8 @@ workspace for the next call of the same shape (the layers of a model, repeated p
 holds ``B·Hkv·T·(G·F + F + …)`` floats, about 30 MB at B=1, H=12, T=512, F=256, until
 :func:`release_workspaces` or a call of another shape replaces it.
 
-Used by ``linear._causal_scan`` for full-size blocks when no autograd graph is recorded; the
-autograd form ``linear._causal_block`` is its reference twin (``tests/ops/test_speed_paths.py``).
+Used by ``scan.causal_scan`` for full-size blocks when no autograd graph is recorded; the
+autograd form ``chunkwise.causal_block`` is its reference twin (``tests/ops/test_speed_paths.py``).
 
 Shapes (block of T = L·C tokens, L chunks of C, ``n3 = B·Hkv·L``): queries are stacked per
 chunk as ``[n3, G·C, F]`` rows (the G query heads of a kv head share the chunk's keys), keys
@@ -96,7 +96,7 @@ def causal_block_into(
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One full block without autograd, written into ``out [B,Hkv,G,T,Dv+1]`` and ``ls_out
-    [B,Hkv,T]`` (views into the call's result). Inputs as in ``linear._causal_block``: ``qf
+    [B,Hkv,T]`` (views into the call's result). Inputs as in ``chunkwise.causal_block``: ``qf
     [B,Hkv,G,T,F]``, ``kf [B,Hkv,T,F]``, ``lk [B,Hkv,T]`` or None (all key log scales 0, ``ref >=
     0``), ``va [B,Hkv,T,Dv+1]``, incoming state ``S [B,Hkv,F,Dv+1]`` relative to ``ref [B,Hkv]``.
     ``qf``/``kf`` may already be ``ws.q_heads``/``ws.k`` (then nothing is copied). With ``eps``,

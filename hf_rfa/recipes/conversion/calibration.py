@@ -32,6 +32,8 @@ from torch import nn
 from ... import compat
 from ...hf.attention import ATTN_NAME, _padding_mask, exact_attention, rfa_mask
 from ...hf.convert import find_attention_modules
+from ...ops import random_feature_attention
+from ...ops.backends import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -126,20 +128,25 @@ def rfa_layers(model: nn.Module) -> dict[int, nn.Module]:
     return out
 
 
-def rfa_output(rfa: nn.Module, cap: Captured, differentiable: bool = False) -> torch.Tensor:
-    """The RFA output of one layer on captured inputs, ``[B, H, N, Dv]``.
+def rfa_output(rfa: nn.Module, cap: Captured, checkpoint_blocks: bool | None = None) -> torch.Tensor:
+    """The RFA output of one layer on captured inputs, ``[B, H, N, Dv]``, by the layer's op
+    (:func:`hf_rfa.random_feature_attention` with the layer's window, sinks, chunk size, backend).
 
-    ``differentiable=True`` uses the quadratic twin of the op (same weights and normaliser,
-    materialises N×N per head): fast to back-propagate through on CPU at training lengths.
+    One rule for every recipe: the op, never its quadratic twin (``quadratic_kernel_attention``
+    is the tests' oracle). With autograd the op runs its autograd form — with the layer's
+    ``checkpoint_blocks`` (recompute in backward: O(N·D) activation memory) unless
+    ``checkpoint_blocks`` is given — and a layer whose backend runs without autograd only
+    (``inference``, ``compiled``, ``native``) trains with ``"auto"`` (the ``torch`` form).
+    ``benchmarks/transfer_forms.py`` measures the op against the twin.
     """
-    if differentiable:
-        from ...ops import quadratic_kernel_attention
-
-        return quadratic_kernel_attention(
-            cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask,
-            window=rfa.window, sinks=rfa.sinks, scale=cap.scale,
-        )
-    return rfa(cap.q, cap.k, cap.v, cap.mask, cap.causal, cap.scale)
+    backend = rfa.backend
+    if torch.is_grad_enabled() and backend in BACKENDS and BACKENDS[backend].inference_only:
+        backend = "auto"
+    return random_feature_attention(
+        cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask, window=rfa.window,
+        sinks=rfa.sinks, scale=cap.scale, chunk_size=rfa.chunk_size, backend=backend,
+        checkpoint_blocks=rfa.checkpoint_blocks if checkpoint_blocks is None else checkpoint_blocks,
+    )
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -155,11 +162,11 @@ class LayerError:
 
 
 @torch.no_grad()
-def layer_errors(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]], progress: bool = True, twin: bool = True) -> list[LayerError]:
+def layer_errors(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]], progress: bool = True) -> list[LayerError]:
     """Per converted layer: relative error and MSE of the RFA output vs softmax, summed over batches.
 
-    ``batches`` yields ``(input_ids [B, N], attention_mask [B, N] | None)``. ``twin`` computes
-    the RFA output with the op's quadratic twin (identical result, faster on CPU up to N ≈ 2k).
+    ``batches`` yields ``(input_ids [B, N], attention_mask [B, N] | None)``; the RFA output is
+    the layer's op (:func:`rfa_output`, without autograd: its inference form).
     """
     from tqdm.auto import tqdm
 
@@ -171,7 +178,7 @@ def layer_errors(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.T
         caps = capture(model, ids, mask)
         for idx, rfa in layers.items():
             cap = caps[idx]
-            diff = _masked(rfa_output(rfa, cap, differentiable=twin).float() - cap.out.float(), cap.mask)
+            diff = _masked(rfa_output(rfa, cap).float() - cap.out.float(), cap.mask)
             ref = _masked(cap.out.float(), cap.mask)
             num[idx] += float(diff.pow(2).sum())
             den[idx] += float(ref.pow(2).sum())

@@ -8,7 +8,10 @@ mixing weight ``mix``) so that each converted layer's RFA output matches its sof
 q, k, v of every layer come from one *softmax* forward of the model (:func:`calibration.capture`,
 no gradient); each layer's loss depends only on its own parameters, so all layers train at once
 from one captured forward without back-propagating through the model. The differentiable RFA
-output is the quadratic twin of the op (same result, fast backward on CPU at N ≈ 1–4k).
+output is the op's autograd form (:func:`calibration.rfa_output`; each layer's loss is
+back-propagated at once, so without block recomputation, ``checkpoint_blocks=False``), except on
+short contexts (:data:`TWIN_MAX_KEYS`), where the quadratic twin measured faster; LoRA runs the
+op with the layer's own settings. ``benchmarks/transfer_forms.py`` measures both forms.
 
 Before training, :func:`init_mixing` sets each head's ``mix`` in closed form so that the feature
 part carries, on the first batch, the same (log-)mass as softmax puts on the keys outside the
@@ -30,10 +33,17 @@ from torch import nn
 
 from .calibration import Captured, attn_implementation, capture, rfa_layers, rfa_output
 from ...ops.masks import NEG, key_mask_bool, sink_mask
+from ...ops.reference import quadratic_kernel_attention
 
 logger = logging.getLogger(__name__)
 
 TRAIN_NAME = "hf_rfa_train"
+#: The one rule for the form of attention transfer's layer outputs: the quadratic twin
+#: (``quadratic_kernel_attention``, N×N per head) up to this many keys, the op's autograd form
+#: above. Measured by ``benchmarks/transfer_forms.py`` (one thread; hedgehog m=64, H=9, Hkv=3,
+#: D=64, forward + backward of one layer): 256 keys / 64 fitted queries: twin 51 ms, op 85 ms;
+#: 512 / 128: twin 120 ms, op 71 ms; 1024 / 256 (the pipeline's defaults): twin 319 ms, op 188 ms.
+TWIN_MAX_KEYS = 256
 
 
 @dataclass
@@ -67,6 +77,18 @@ def _check_limit(stage: str, res: "TransferResult", tokens: int, start: float, m
             f"({res.steps} steps); the budget is in tokens so that results do not depend on machine speed: "
             f"raise the limit (--{stage.split()[0].lower()}-minutes) or lower the token budget"
         )
+
+
+def transfer_output(rfa: nn.Module, cap: Captured, twin_max_keys: int = TWIN_MAX_KEYS) -> torch.Tensor:
+    """One layer's differentiable output for attention transfer, ``[B, H, Nq, Dv]``: the quadratic
+    twin for at most ``twin_max_keys`` keys (see :data:`TWIN_MAX_KEYS`), else the op's autograd form
+    without block recomputation (each layer's loss is back-propagated at once)."""
+    if cap.k.shape[2] <= twin_max_keys:
+        return quadratic_kernel_attention(
+            cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask,
+            window=rfa.window, sinks=rfa.sinks, scale=cap.scale,
+        )
+    return rfa_output(rfa, cap, checkpoint_blocks=False)
 
 
 def rfa_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -136,6 +158,7 @@ def attention_transfer(
     init_mix: bool = True,
     progress: bool = True,
     queries: int | None = None,
+    twin_max_keys: int = TWIN_MAX_KEYS,
 ) -> TransferResult:
     """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
 
@@ -149,7 +172,9 @@ def attention_transfer(
         lr: Adam learning rate of the feature-map parameters.
         init_mix: initialise the hybrid mixing weights from the first batch first.
         queries: causal layers: fit only the last ``queries`` positions of each sequence (they
-            still attend over the whole context), which cuts the quadratic cost by N/queries.
+            still attend over the whole context): fewer outputs to fit (the op still reads every key).
+        twin_max_keys: the layer outputs are the quadratic twin's up to this context, the op's
+            above (:func:`transfer_output`, :data:`TWIN_MAX_KEYS`).
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
     Raises ValueError when the converted layers have nothing to train (random maps).
     """
@@ -175,13 +200,16 @@ def attention_transfer(
             caps = capture(model, ids, mask)
             if init_mix and res.steps == 0:
                 init_mixing(model, caps)
+            if res.steps == 0:
+                nk = ids.shape[-1]
+                logger.info("attention transfer: layer outputs by the %s (%d keys; the twin up to %d)", "quadratic twin" if nk <= twin_max_keys else "op", nk, twin_max_keys)
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for idx, rfa in layers.items():
                 cap = caps[idx]
                 if queries is not None and cap.causal and queries < cap.q.shape[2]:
                     cap = Captured(cap.q[:, :, -queries:], cap.k, cap.v, cap.out[:, :, -queries:], cap.mask, True, cap.scale)
-                pred = rfa_output(rfa, cap, differentiable=True)
+                pred = transfer_output(rfa, cap, twin_max_keys)
                 diff = pred.float() - cap.out.float()
                 if cap.mask is not None:
                     m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
@@ -212,7 +240,9 @@ def attention_transfer(
 
 # --------------------------------------------------------------------------- LoRA stage
 def _train_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function for training: the differentiable quadratic twin of the RFA op."""
+    """Attention function for training (LoRA) and for evaluation in the recipes: the layer's op by
+    :func:`calibration.rfa_output` (its autograd form with the layer's ``checkpoint_blocks`` under
+    autograd; a layer set to an inference-only backend trains with ``"auto"``)."""
     from ...hf.attention import _padding_mask, rfa_attention_forward
 
     rfa = getattr(module, "rfa", None)
@@ -222,11 +252,11 @@ def _train_forward(module, query, key, value, attention_mask, scaling=None, drop
     if causal is None:
         causal = bool(getattr(module, "is_causal", False))
     cap = Captured(query, key, value, None, _padding_mask(attention_mask, key.shape[2]), bool(causal), scaling)
-    return rfa_output(rfa, cap, differentiable=True).transpose(1, 2).contiguous(), None
+    return rfa_output(rfa, cap).transpose(1, 2).contiguous(), None
 
 
 def register_train() -> None:
-    """Register the training attention function (quadratic twin) and its mask function."""
+    """Register the training attention function (the op's autograd form) and its mask function."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -292,4 +322,7 @@ def lora_finetune(
     return merged, res
 
 
-__all__ = ["BudgetNotReached", "TRAIN_NAME", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune", "register_train", "rfa_parameters"]
+__all__ = [
+    "BudgetNotReached", "TRAIN_NAME", "TWIN_MAX_KEYS", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune",
+    "register_train", "rfa_parameters", "transfer_output",
+]

@@ -3,7 +3,7 @@
 - :func:`causal_positive`: the whole causal scan of a FAVOR+/positive/FAVOR++ feature map in C++:
   one task per (batch, key/value head), chunk after chunk on cache-resident buffers, with MKL's
   ``sgemm`` and ``vsExp`` (linked into PyTorch's x86 builds) and no per-op dispatch. Same chunkwise
-  math as the pure-PyTorch inference form (``linear._causal_scan_into`` with
+  math as the pure-PyTorch inference form (``scan._causal_scan_into`` with
   ``causal_infer.causal_block_into``), which stays its reference twin.
 - :func:`causal_band`: the exact part of a causal hybrid (local window + sinks), one task per
   (batch, key/value head, query chunk); twin of ``hybrid.exact_local``. Used for every feature

@@ -1,0 +1,154 @@
+"""Fused features + causal linear attention: the feature map is applied block by block.
+
+:func:`causal_feature_attention` is the form ``random_feature_attention`` and the decode path
+(:mod:`hf_rfa.ops.decode`) use for the causal feature part: the ``[N, F]`` feature tensors are
+never materialised (cache-resident blocks, O(N·Dv) extra memory in inference). It runs, by the
+backend chosen (:func:`hf_rfa.ops.backends.resolve`):
+
+- ``torch``: the autograd block step (:func:`hf_rfa.ops.chunkwise.block_step`) over the scan of
+  :mod:`hf_rfa.ops.scan`, or, with ``checkpoint``, the recomputing
+  :class:`hf_rfa.ops.recompute.ScanFunction`;
+- ``inference``/``compiled``: the same scan without autograd, features written straight into the
+  reused workspace;
+- ``native``: the C++ CPU kernel for maps that expose native parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import native, resolve
+from .backends.causal_infer import BlockWorkspace
+from .chunkwise import Block, block_features
+from .masks import NEG, exp_floor, needs_grad
+from .partial import Partial, finalize
+from .recompute import ScanFunction
+from .recurrent import LinearState
+from .scan import ScanSpec, causal_scan, plan_blocks, split_tokens, state_matrix
+
+
+def causal_feature_attention(
+    feature_map,
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    lq_add: torch.Tensor | None = None,
+    lk_add: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state: LinearState | None = None,
+    block_size: int | None = None,
+    x_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    checkpoint: bool = False,
+    backend: str | None = None,
+) -> tuple[Partial | None, LinearState]:
+    """Fused features + causal linear attention: the feature map is applied block by block.
+
+    xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (multiplied by ``x_scale`` block by block before the
+    feature map: pass √scale here, or 1.0 for inputs already scaled), v ``[B, Hkv, N, Dv]``
+    (low-precision q/k/v are converted to float32 block by block, never as a whole),
+    key_mask ``[B, N]`` bool (False: key skipped) or None, optional log-scale offsets added to the
+    features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
+    computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
+    masking, and calling :func:`hf_rfa.ops.linear.causal_linear`, but never holds ``[N, F]``
+    features. Requires a per-token feature map (every map in this package is). ``checkpoint``:
+    with autograd (and a state that needs no gradient), save only the inputs and each block's
+    incoming state, and recompute the block's features and products in backward
+    (:mod:`hf_rfa.ops.recompute`). ``backend``: the one :func:`hf_rfa.ops.backends.resolve`
+    chose (None: ``"auto"`` for these inputs). ``out [B, Hkv, G, N, Dv]``: write the normalised
+    output there and return None for the Partial.
+    """
+    b, h, n, _ = xq.shape
+    hkv = xk.shape[1]
+    g = h // hkv
+    fdim, dv = feature_map.feature_dim, v.shape[-1]
+    if n == 0:
+        raise ValueError("causal_feature_attention needs N >= 1")
+    ct = torch.float64 if xq.dtype == torch.float64 else torch.float32  # q/k/v may be bf16/fp16
+    params = [p for p in feature_map.parameters()] if isinstance(feature_map, torch.nn.Module) else []
+    st_t = (state.S, state.z, state.ref) if state is not None else ()
+    if backend is None:
+        backend = resolve("auto", grad=needs_grad(xq, xk, v, lq_add, lk_add, *st_t, *params), causal=True, device=xq.device, dtype=ct)
+    infer = backend != "torch"
+    if backend == "native":
+        nparams = feature_map.native_params(x_scale)
+        if nparams is not None:
+            if state is None:
+                state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=ct)
+            return _native_causal(nparams, xq, xk, v, key_mask, lq_add, lk_add, chunk_size, state, out, feature_map.eps)
+    probe_k = feature_map.forward_keys(xk[:, :, :1].to(ct) * x_scale)
+    scaled = probe_k.log_scale is not None or lk_add is not None
+    if state is None:
+        state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=probe_k.phi.dtype)
+    plan = plan_blocks(n, chunk_size, block_size)
+    if checkpoint and not infer and not needs_grad(*st_t):
+        spec = ScanSpec(feature_map, plan, x_scale, scaled, g, ct)
+        return _checkpointed(spec, state, key_mask, xq, xk, v, lq_add, lk_add, params, out)
+    sizes = [p[0] for p in plan]
+    cuts = [split_tokens(xq, sizes, 2), split_tokens(xk, sizes, 2), split_tokens(v, sizes, 2)]
+    cuts += [split_tokens(key_mask, sizes, 1), split_tokens(lq_add, sizes, -1), split_tokens(lk_add, sizes, -1)]
+
+    def get(i: int, ws: BlockWorkspace | None) -> Block:
+        xqb, xkb, vb, kmb, lqab, lkab = (x[i] for x in cuts)
+        if ws is None:
+            return block_features(feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale, ct, hkv)
+        return _features_into(ws, feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale, hkv)
+
+    return causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps)
+
+
+def _checkpointed(spec: ScanSpec, state: LinearState, key_mask, xq, xk, v, lq_add, lk_add, params, out) -> tuple[Partial | None, LinearState]:
+    """:func:`causal_feature_attention` by the recomputing :class:`ScanFunction` (training memory)."""
+    dv = v.shape[-1]
+    S0, ref0 = state_matrix(state, spec.scaled)
+    grads = tuple(p for p in params if p.requires_grad)
+    o, ls, S, ref = ScanFunction.apply(spec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *grads)
+    part, st = Partial(o[..., :dv], o[..., dv], ls), LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+    if out is None:
+        return part, st
+    out.copy_(finalize(part, spec.feature_map.eps))
+    return None, st
+
+
+def _features_into(ws: BlockWorkspace, feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, hkv: int) -> Block:
+    """Inference: one block's features written straight into the workspace ``ws`` (the map applies
+    ``x_scale``); same result as :func:`block_features`."""
+    b, h, t, _ = xqb.shape
+    fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
+    fk = feature_map.features_into(xkb, ws.k, False, x_scale)
+    qf = fq.phi.reshape(b, hkv, h // hkv, t, -1)
+    lq = fq.log_scale.reshape(b, hkv, h // hkv, t) if fq.log_scale is not None else None
+    kf, lk = fk.phi, fk.log_scale
+    if lqab is not None:
+        lq = lqab if lq is None else lq + lqab
+    if lkab is not None:
+        lk = lkab if lk is None else lk + lkab
+    if kmb is not None:
+        km = kmb[:, None]
+        kf = kf.mul_(km.unsqueeze(-1))
+        if lk is not None:
+            lk = torch.where(km, lk, torch.full_like(lk, NEG))
+    return qf, lq, kf, lk, vb
+
+
+def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
+    """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.backends.native`;
+    its twin is the inference form of :func:`hf_rfa.ops.scan.causal_scan`)."""
+    b, h, n, _ = xq.shape
+    hkv, dv = xk.shape[1], v.shape[-1]
+    g = h // hkv
+    S, ref = state_matrix(state, True)
+    S, ref = S.to(torch.float32).contiguous(), ref.to(torch.float32).clone()  # updated in place
+    o, mt, lq = native.causal_positive(xq, xk, v, params, key_mask, lk_add, S, ref, chunk_size, eps if out is not None else None, exp_floor(torch.float32), dest=out)
+    st = LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
+    if out is not None:
+        return None, st
+    o = o.view(b, hkv, g, n, dv + 1)
+    ls = mt.unsqueeze(2) + lq.view(b, hkv, g, n)
+    if lq_add is not None:
+        ls = ls + lq_add
+    return Partial(o[..., :dv], o[..., dv], ls), st
+
+
+__all__ = ["causal_feature_attention"]
