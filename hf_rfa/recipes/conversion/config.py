@@ -51,7 +51,7 @@ class ConversionConfig:
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     baselines: bool = field(default=True, metadata={"help": "also evaluate pure random features and the untrained random-feature hybrid"})
     random_hybrid: bool = field(default=True, metadata={"help": "baselines include random features + window + sinks"})
-    eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context with the op's quadratic twin (same math, faster on CPU); 0: never"})
+    eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context through the training attention function (the op's autograd form; the name predates it: it was the quadratic twin); 0: never, always the inference form"})
     random_feature_map: str = field(default="favor+", metadata={"help": "feature map of the random-feature baselines"})
     random_num_features: int = field(default=256, metadata={"help": "features of the random-feature baselines"})
     generate_prompt: str | None = field(default="The history of the city", metadata={"help": "causal LMs: greedy generation sample after this prompt (None: skip)"})

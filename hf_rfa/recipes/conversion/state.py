@@ -78,7 +78,7 @@ def evaluate(s: State, name: str, stage: dict | None = None, of: nn.Module | Non
 
 
 def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> None:
-    """Long-range tasks, then perplexity at every ``eval_contexts`` (the quadratic twin up to ``eval_twin_max``)."""
+    """Long-range tasks, then perplexity at every ``eval_contexts`` (the op's autograd form up to ``eval_twin_max``, its inference form above)."""
     cfg = s.cfg
     _long_range(s, model, name, passkey)
     for ctx in cfg.eval_contexts:
@@ -86,7 +86,7 @@ def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> No
         transfer.register_train()
         with calibration.attn_implementation(model, transfer.TRAIN_NAME) if twin else nullcontext():
             r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name)
-        s.rows.append({"variant": name, "context": ctx, "perplexity": r["perplexity"], "eval_tokens": r["tokens"], "op": "quadratic twin" if twin else "chunked op"})
+        s.rows.append({"variant": name, "context": ctx, "perplexity": r["perplexity"], "eval_tokens": r["tokens"], "op": "op (autograd form)" if twin else "chunked op"})
         logger.info("%s @%d: perplexity %.2f (%d tokens)", name, ctx, r["perplexity"], r["tokens"])
 
 
