@@ -207,6 +207,74 @@ def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sin
     return b, h, n, d, hkv, dv
 
 
+def _join_sinks(state: DecodeState, k: torch.Tensor, v: torch.Tensor, km: torch.Tensor, sinks: int, p0: int):
+    """New real tokens ranked below S join the sink set: ``(sink_k, sink_v, sink_pos,
+    sink_exists, new_sink [B, n])`` from the state's sinks and new keys/values ``[B, Hkv, n, ·]``."""
+    sink_k, sink_v, sink_pos, sink_exists = state.sink_k, state.sink_v, state.sink_pos, state.sink_exists
+    new_sink = torch.zeros_like(km)
+    if sinks == 0:
+        return sink_k, sink_v, sink_pos, sink_exists, new_sink
+    b, hkv, _, d = k.shape
+    rank = state.real_count.view(b, 1) + torch.cumsum(km.long(), -1) - 1  # [B,n]
+    new_sink = km & (rank < sinks)
+    hit = new_sink.unsqueeze(1) & (rank.unsqueeze(1) == torch.arange(sinks, device=k.device).view(1, -1, 1))  # [B,S,n]
+    filled = hit.any(-1)  # [B,S]
+    idx = hit.long().argmax(-1)  # [B,S]
+    gk = torch.gather(k, 2, idx[:, None, :, None].expand(b, hkv, sinks, d))
+    gv = torch.gather(v, 2, idx[:, None, :, None].expand(b, hkv, sinks, v.shape[-1]))
+    f4 = filled[:, None, :, None]
+    sink_k = torch.where(f4, gk.to(sink_k.dtype), sink_k)
+    sink_v = torch.where(f4, gv.to(sink_v.dtype), sink_v)
+    sink_pos = torch.where(filled, idx + p0, sink_pos)
+    return sink_k, sink_v, sink_pos, sink_exists | filled, new_sink
+
+
+def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg, win_decay, e: int, g: int, chunk_size: int, be: str, grad: bool, backend: str):
+    """The feature part of ``n`` new queries ``xq [B, H, n, D]`` when the ``e`` oldest local keys
+    (``xk [B, Hkv, L, D]``, local 0..e-1) leave the window in this call: early queries (the window
+    still filling) read the state; a single decoding step folds the evicted key and reads; a
+    prefill / multi-token chunk runs the chunkwise-parallel scan continued from the state.
+    Returns ``(Partial, new linear state)``."""
+    b, hkv, n, d = xq.shape[0], xk.shape[1], xq.shape[2], xq.shape[3]
+    early = n - e  # > 0 only while the window is filling (the state is still empty)
+    nq_feat = n if e == 1 else early
+    qf = lq = None
+    if nq_feat > 0:
+        fq = feature_map.forward_queries(xq[:, :, :nq_feat])
+        qf = fq.phi.reshape(b, hkv, g, nq_feat, -1)
+        lq = fq.log_scale.reshape(b, hkv, g, nq_feat) if fq.log_scale is not None else None
+        if cl is not None:
+            lq = (lq if lq is not None else 0.0) + cl[:, :, None, :nq_feat]
+    lk_add = log1mg[..., :e] + win_decay[..., :e] if cl is not None else None
+    fe = feat[:, None, :e]
+    feats = [read(linear, qf[:, :, :, :early], lq[..., :early] if lq is not None else None)] if early > 0 else []
+    if e == 1:  # one decoding step: fold the evicted key, then read
+        fk = feature_map.forward_keys(xk[:, :, :e])
+        kf, lk = fk.phi, fk.log_scale
+        if lk_add is not None:
+            lk = (lk if lk is not None else 0.0) + lk_add
+        kf = kf * fe.unsqueeze(-1)
+        if lk is not None:
+            lk = torch.where(fe, lk, torch.full_like(lk, NEG))
+        linear = fold(linear, kf, lk, vv[:, :, :1])
+        feats.append(read(linear, qf[:, :, :, early:], lq[..., early:] if lq is not None else None))
+    else:  # prefill / multi-token chunk: chunkwise-parallel form, continued from the state
+        lq_add = cl[:, :, None, early:].expand(b, hkv, g, e) if cl is not None else None
+        be = resolve(be, grad=grad, causal=True, device=xq.device, dtype=xq.dtype)
+        if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls
+            logger.debug("continue_attention: feature scan of %d key(s) by backend %s (requested %s)", e, be, backend)
+        part, linear = causal_feature_attention(
+            feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear, backend=be,
+        )
+        feats.append(part)
+    part = Partial(
+        torch.cat([p.num for p in feats], dim=-2),
+        torch.cat([p.den for p in feats], dim=-1),
+        torch.cat([p.log_scale for p in feats], dim=-1),
+    )
+    return part, linear
+
+
 @no_autocast
 @honours_backend
 def continue_attention(
@@ -256,22 +324,7 @@ def continue_attention(
     p0, wc = state.seen, state.win_k.shape[2]
     pos0 = p0 - wc  # absolute position of local index 0
 
-    # sinks: new real tokens ranked below S join the sink set
-    sink_k, sink_v, sink_pos, sink_exists = state.sink_k, state.sink_v, state.sink_pos, state.sink_exists
-    new_sink = torch.zeros_like(km)
-    if sinks > 0:
-        rank = state.real_count.view(b, 1) + torch.cumsum(km.long(), -1) - 1  # [B,n]
-        new_sink = km & (rank < sinks)
-        hit = new_sink.unsqueeze(1) & (rank.unsqueeze(1) == torch.arange(sinks, device=dev).view(1, -1, 1))  # [B,S,n]
-        filled = hit.any(-1)  # [B,S]
-        idx = hit.long().argmax(-1)  # [B,S]
-        gk = torch.gather(k, 2, idx[:, None, :, None].expand(b, hkv, sinks, d))
-        gv = torch.gather(v, 2, idx[:, None, :, None].expand(b, hkv, sinks, v.shape[-1]))
-        f4 = filled[:, None, :, None]
-        sink_k = torch.where(f4, gk.to(sink_k.dtype), sink_k)
-        sink_v = torch.where(f4, gv.to(sink_v.dtype), sink_v)
-        sink_pos = torch.where(filled, idx + p0, sink_pos)
-        sink_exists = sink_exists | filled
+    sink_k, sink_v, sink_pos, sink_exists, new_sink = _join_sinks(state, k, v, km, sinks, p0)
 
     # the local block: kept window + new tokens
     lk_raw = torch.cat([state.win_k, k.to(state.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
@@ -298,54 +351,17 @@ def continue_attention(
 
     linear = state.linear
     win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
-    cl = None
+    cl = log1mg_all = None
     if feature_map.has_gate:  # log decay since the last processed token [B,Hkv,n]; padding never decays
-        logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,L]
+        logg, log1mg_all = feature_map.log_gate(xk)  # [B,Hkv,L]
         cl = torch.cumsum(logg[..., wc:] * km[:, None, :], dim=-1)
         # origin: just before the new tokens; kept keys carry the decay they have had so far
         win_decay = torch.cat([state.win_decay, -cl], dim=-1)
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
     e = max(0, big_l - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
     if e > 0:
-        early = n - e  # > 0 only while the window is filling (the state is still empty)
-        # queries whose features are needed here: the early ones read the state; the late ones too
-        # for a single decoding step (e == 1); a prefill / multi-token chunk takes the fused
-        # feature path for the late ones (the compiled CPU kernel where it applies)
-        nq_feat = n if e == 1 else early
-        qf = lq = None
-        if nq_feat > 0:
-            fq = feature_map.forward_queries(xq[:, :, :nq_feat])
-            qf = fq.phi.reshape(b, hkv, g, nq_feat, -1)
-            lq = fq.log_scale.reshape(b, hkv, g, nq_feat) if fq.log_scale is not None else None
-            if cl is not None:
-                lq = (lq if lq is not None else 0.0) + cl[:, :, None, :nq_feat]
-        lk_add = log1mg[..., :e] + win_decay[..., :e] if cl is not None else None
-        fe = feat[:, None, :e]
-        feats = [read(linear, qf[:, :, :, :early], lq[..., :early] if lq is not None else None)] if early > 0 else []
-        if e == 1:  # one decoding step: fold the evicted key, then read
-            fk = feature_map.forward_keys(xk[:, :, :e])
-            kf, lk = fk.phi, fk.log_scale
-            if lk_add is not None:
-                lk = (lk if lk is not None else 0.0) + lk_add
-            kf = kf * fe.unsqueeze(-1)
-            if lk is not None:
-                lk = torch.where(fe, lk, torch.full_like(lk, NEG))
-            linear = fold(linear, kf, lk, vv[:, :, :1])
-            feats.append(read(linear, qf[:, :, :, early:], lq[..., early:] if lq is not None else None))
-        else:  # prefill / multi-token chunk: chunkwise-parallel form, continued from the state
-            lq_add = cl[:, :, None, early:].expand(b, hkv, g, e) if cl is not None else None
-            be = resolve(be, grad=grad, causal=True, device=dev, dtype=ct)
-            if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls
-                logger.debug("continue_attention: feature scan of %d key(s) by backend %s (requested %s)", e, be, backend)
-            part, linear = causal_feature_attention(
-                feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear, backend=be,
-            )
-            feats.append(part)
-        parts.append(Partial(
-            torch.cat([p.num for p in feats], dim=-2),
-            torch.cat([p.den for p in feats], dim=-1),
-            torch.cat([p.log_scale for p in feats], dim=-1),
-        ))
+        part, linear = _feature_part(feature_map, linear, xq, xk, vv, feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
+        parts.append(part)
     if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]
         win_decay = win_decay + cl_total.unsqueeze(-1)
