@@ -147,15 +147,10 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
         kf, lk = fk.phi, fk.log_scale
 
     if causal and feature_map.has_gate:
-        logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,Nk]
-        if km is not None:
-            logg = logg * km[:, None, :]
-        cum = torch.cumsum(logg, dim=-1)
-        if fused:
-            lk_add, lq_add = log1mg - cum, cum[:, :, None, :]
-        else:
-            lk = (lk if lk is not None else 0.0) + log1mg - cum
-            lq = (lq if lq is not None else 0.0) + cum[:, :, None, :]
+        lk_add, lq_add = _gate_terms(feature_map, xk, km)
+        if not fused:
+            lk, lq = (lk if lk is not None else 0.0) + lk_add, (lq if lq is not None else 0.0) + lq_add
+            lk_add = lq_add = None
 
     # keys answered by the feature map: real, not sinks (window handled by shifting below)
     feat_mask = km
@@ -190,17 +185,8 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
                 part = bidirectional_feature_attention(feature_map, q, k, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:
                 parts.append(part)
-        elif window == 0:
-            parts.append(bidirectional_linear(qf, lq, kf, lk, vv))
-        else:  # band: keys s <= t - W (forward pass) and s >= t + W (reversed pass)
-            ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
-            ls = shift_keys(lk, window, NEG) if lk is not None else None
-            parts.append(causal_linear(qf, lq, ks, ls, vs, chunk_size)[0])
-            fl = lambda x, dim: x.flip(dim) if x is not None else None  # noqa: E731
-            kr, vr = shift_keys(fl(kf, 2), window, 0.0), shift_keys(fl(vv, 2), window, 0.0)
-            lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
-            rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
-            parts.append(Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3)))
+        else:
+            parts += _bidirectional_feature_parts(qf, lq, kf, lk, vv, window, chunk_size)
     if fused_out is not None:
         return _to_dtype(fused_out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     total = parts[0]
@@ -209,6 +195,33 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
     out = out.reshape(b, h, n, -1)[:, :, n - nq :]
     return _to_dtype(out, out_dtype)
+
+
+def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-decay terms of a gated map's causal feature part from scaled keys ``xk [B,Hkv,Nk,D]``:
+    ``(key term [B,Hkv,Nk], query term [B,Hkv,1,Nk])`` = (log(1−g) − cumulative log g, cumulative
+    log g); padded positions never decay."""
+    logg, log1mg = feature_map.log_gate(xk)  # [B,Hkv,Nk]
+    if km is not None:
+        logg = logg * km[:, None, :]
+    cum = torch.cumsum(logg, dim=-1)
+    return log1mg - cum, cum[:, :, None, :]
+
+
+def _bidirectional_feature_parts(qf, lq, kf, lk, vv, window: int, chunk_size: int) -> list[Partial]:
+    """Feature part of bidirectional attention from precomputed features (``qf [B,Hkv,G,N,F]``,
+    ``kf [B,Hkv,N,F]``, log scales or None, ``vv [B,Hkv,N,Dv]``): all keys (``window == 0``) or
+    the band outside the window, keys s <= t - W (forward pass) and s >= t + W (reversed pass)."""
+    if window == 0:
+        return [bidirectional_linear(qf, lq, kf, lk, vv)]
+    ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
+    ls = shift_keys(lk, window, NEG) if lk is not None else None
+    forward = causal_linear(qf, lq, ks, ls, vs, chunk_size)[0]
+    fl = lambda x, dim: x.flip(dim) if x is not None else None  # noqa: E731
+    kr, vr = shift_keys(fl(kf, 2), window, 0.0), shift_keys(fl(vv, 2), window, 0.0)
+    lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
+    rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
+    return [forward, Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3))]
 
 
 def _to_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
