@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .masks import NEG
+
 
 @dataclass
 class Partial:
@@ -31,13 +33,23 @@ def merge(a: Partial | None, b: Partial | None) -> Partial:
         if out is None:
             raise ValueError("merge needs at least one Partial")
         return out
-    m = torch.maximum(a.log_scale, b.log_scale).detach()
-    fa, fb = torch.exp(a.log_scale - m), torch.exp(b.log_scale - m)
+    la, lb = _effective_scale(a), _effective_scale(b)
+    m = torch.maximum(la, lb).detach()
+    fa, fb = torch.exp(la - m), torch.exp(lb - m)
     return Partial(
         a.num * fa.unsqueeze(-1) + b.num * fb.unsqueeze(-1),
         a.den * fa + b.den * fb,
         m,
     )
+
+
+def _effective_scale(p: Partial) -> torch.Tensor:
+    """``p.log_scale`` with rows that hold nothing (den and num exactly 0: no key seen yet, e.g.
+    the feature part of the first W + S causal rows of a map without log scales) set to NEG, so an
+    empty part never sets the common scale of the merge (which would push the other part's
+    normaliser under the eps floor)."""
+    empty = (p.den == 0) & (p.num.detach().abs().amax(-1) == 0) if p.num.shape[-1] else p.den == 0
+    return torch.where(empty, torch.full_like(p.log_scale, NEG), p.log_scale)
 
 
 def finalize(p: Partial, eps: float) -> torch.Tensor:
