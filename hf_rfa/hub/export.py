@@ -306,7 +306,7 @@ def _save_tokenizer(tokenizer: Any, source: str | Path | None, out: Path) -> Non
         except Exception as e:  # noqa: BLE001 - no tokenizer there: the export is still complete otherwise
             logger.debug("no tokenizer at %s: %s", source, e)
     if tokenizer is None:
-        logger.warning("export: no tokenizer saved (pass tokenizer=...): AutoTokenizer.from_pretrained(%s) will fail", final)
+        logger.warning("export: no tokenizer saved (pass tokenizer=...): AutoTokenizer.from_pretrained(%s) will fail", out)
         return
     tokenizer.save_pretrained(out)
 
