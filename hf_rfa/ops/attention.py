@@ -17,7 +17,7 @@ from .bidirectional import bidirectional_feature_attention
 from .fused import causal_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_linear, shift_keys
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -78,10 +78,7 @@ def random_feature_attention(
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if not isinstance(checkpoint_blocks, bool):
         raise ValueError(f"checkpoint_blocks must be True or False, got {checkpoint_blocks!r}")
-    if not all(hasattr(feature_map, a) for a in ("forward_queries", "forward_keys", "eps", "has_gate")):
-        raise ValueError(f"feature_map must be a hf_rfa FeatureMap (see hf_rfa.build_feature_map), got {type(feature_map).__name__}")
-    if getattr(feature_map, "head_dim", d) != d:
-        raise ValueError(f"feature map head_dim={feature_map.head_dim} does not match q/k head dim D={d}")
+    check_feature_map(feature_map, d)
     window, sinks = check_int("window", window), check_int("sinks", sinks, 0, MAX_SINKS)
     check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
     scale = check_scale(scale)
@@ -188,13 +185,13 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
         else:
             parts += _bidirectional_feature_parts(qf, lq, kf, lk, vv, window, chunk_size)
     if fused_out is not None:
-        return _to_dtype(fused_out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
+        return to_output_dtype(fused_out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
     out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
     out = out.reshape(b, h, n, -1)[:, :, n - nq :]
-    return _to_dtype(out, out_dtype)
+    return to_output_dtype(out, out_dtype)
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,15 +219,6 @@ def _bidirectional_feature_parts(qf, lq, kf, lk, vv, window: int, chunk_size: in
     lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
     rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
     return [forward, Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3))]
-
-
-def _to_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out`` in ``dtype``; float16 is clamped to its finite range first (a signed map's floored
-    normaliser can give values beyond 65504; NaN stays NaN)."""
-    if dtype == torch.float16:
-        fmax = torch.finfo(torch.float16).max
-        out = out.clamp(-fmax, fmax)
-    return out.to(dtype)
 
 
 __all__ = ["random_feature_attention", "LinearState"]

@@ -144,10 +144,17 @@ def block_step(qf, lq, kf, lk, v, S, ref, chunk: int):
 def block_features(feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, ct: torch.dtype, hkv: int) -> Block:
     """One block's ``(qf [B,Hkv,G,T,F], lq, kf [B,Hkv,T,F], lk, v)`` from raw ``xqb [B,H,T,D]``,
     ``xkb [B,Hkv,T,D]``, ``vb``, key mask ``kmb [B,T]``, gate offsets ``lqab``/``lkab`` (autograd form)."""
-    b, h, t, _ = xqb.shape
     if x_scale != 1.0:  # (in the compute dtype: bf16/fp16 inputs are not rounded again)
         xqb, xkb = xqb.to(ct) * x_scale, xkb.to(ct) * x_scale
     fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
+    return assemble_block(fq, fk, vb, kmb, lqab, lkab, hkv, in_place=False)
+
+
+def assemble_block(fq, fk, vb, kmb, lqab, lkab, hkv: int, in_place: bool) -> Block:
+    """A block from query/key :class:`~hf_rfa.feature_maps.Features` (queries ``[B,H,T,F]``):
+    queries grouped per kv head, gate offsets added to the log scales, masked keys zeroed (log
+    scale NEG). ``in_place``: zero the key features in place (inference workspaces)."""
+    b, h, t = fq.phi.shape[:3]
     qf = fq.phi.reshape(b, hkv, h // hkv, t, -1)
     lq = fq.log_scale.reshape(b, hkv, h // hkv, t) if fq.log_scale is not None else None
     kf, lk = fk.phi, fk.log_scale
@@ -157,10 +164,10 @@ def block_features(feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, c
         lk = lkab if lk is None else lk + lkab
     if kmb is not None:
         km = kmb[:, None]
-        kf = kf * km.unsqueeze(-1)
+        kf = kf.mul_(km.unsqueeze(-1)) if in_place else kf * km.unsqueeze(-1)
         if lk is not None:
             lk = torch.where(km, lk, torch.full_like(lk, NEG))
     return qf, lq, kf, lk, vb
 
 
-__all__ = ["Block", "block_features", "block_step", "causal_block", "with_ones"]
+__all__ = ["Block", "assemble_block", "block_features", "block_step", "causal_block", "with_ones"]

@@ -19,8 +19,8 @@ import torch
 
 from .backends import native, resolve
 from .backends.causal_infer import BlockWorkspace
-from .chunkwise import Block, block_features
-from .masks import NEG, exp_floor, needs_grad
+from .chunkwise import Block, assemble_block, block_features
+from .masks import exp_floor, needs_grad
 from .partial import Partial, finalize
 from .recompute import ScanFunction
 from .recurrent import LinearState
@@ -114,22 +114,9 @@ def _checkpointed(spec: ScanSpec, state: LinearState, key_mask, xq, xk, v, lq_ad
 def _features_into(ws: BlockWorkspace, feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, hkv: int) -> Block:
     """Inference: one block's features written straight into the workspace ``ws`` (the map applies
     ``x_scale``); same result as :func:`block_features`."""
-    b, h, t, _ = xqb.shape
     fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
     fk = feature_map.features_into(xkb, ws.k, False, x_scale)
-    qf = fq.phi.reshape(b, hkv, h // hkv, t, -1)
-    lq = fq.log_scale.reshape(b, hkv, h // hkv, t) if fq.log_scale is not None else None
-    kf, lk = fk.phi, fk.log_scale
-    if lqab is not None:
-        lq = lqab if lq is None else lq + lqab
-    if lkab is not None:
-        lk = lkab if lk is None else lk + lkab
-    if kmb is not None:
-        km = kmb[:, None]
-        kf = kf.mul_(km.unsqueeze(-1))
-        if lk is not None:
-            lk = torch.where(km, lk, torch.full_like(lk, NEG))
-    return qf, lq, kf, lk, vb
+    return assemble_block(fq, fk, vb, kmb, lqab, lkab, hkv, in_place=True)
 
 
 def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
