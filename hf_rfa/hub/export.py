@@ -203,6 +203,7 @@ def export(
     tokenizer: Any = None,
     source_dir: str | os.PathLike | None = None,
     dataset_name: str | None = None,
+    published_as: str | os.PathLike | None = None,
 ) -> Path:
     """Write a Hub-ready folder for a converted model; returns its path.
 
@@ -226,6 +227,9 @@ def export(
         source_dir: the folder the model was loaded from (default: ``config._name_or_path`` when
             it is a folder): its sentence-transformers files are copied.
         dataset_name: the evaluation data named in the card's ``model-index``.
+        published_as: the folder that the card's loading snippets and the messages name when
+            ``out_dir`` is itself a staging folder that the caller renames afterwards (the
+            conversion pipeline); default: ``out_dir``.
     Raises:
         ValueError: the model is not converted / not a transformers model, ``out_dir`` is not
             empty (or not hf_rfa's, or a file), or a bad ``tags`` / ``metrics`` / ``auto_class`` value (the message names it).
@@ -246,7 +250,8 @@ def export(
     out = output_dir.staging_dir(final)  # written aside, swapped in at the end (nothing lost)
     try:
         _write(model, out, rfa_config, autos, base_model, metrics, tags, pipeline_tag, license, repo_id, max_shard_size,
-               final=final, tokenizer=tokenizer, source_dir=source_dir, dataset_name=dataset_name)
+               final=Path(published_as) if published_as is not None else final, tokenizer=tokenizer, source_dir=source_dir,
+               dataset_name=dataset_name)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -286,7 +291,7 @@ def _write(model, out: Path, rfa_config, autos, base_model, metrics, tags, pipel
     (out / "README.md").write_text(card, encoding="utf-8")
     _check_saved_rfa_tensors(model, out)
     source = Path(source_dir) if source_dir is not None else _source_dir(model)
-    _save_tokenizer(tokenizer, source if source is not None else getattr(model.config, "_name_or_path", None), out)
+    _save_tokenizer(tokenizer, source if source is not None else getattr(model.config, "_name_or_path", None), out, final)
     if source is not None:
         _copy_sentence_transformers_files(source, out)
 
@@ -296,8 +301,9 @@ def _source_dir(model: nn.Module) -> Path | None:
     return Path(name) if name and os.path.isdir(name) else None
 
 
-def _save_tokenizer(tokenizer: Any, source: str | Path | None, out: Path) -> None:
-    """Save ``tokenizer`` (or the one at ``source``) into ``out``; a warning when there is none."""
+def _save_tokenizer(tokenizer: Any, source: str | Path | None, out: Path, final: Path | None = None) -> None:
+    """Save ``tokenizer`` (or the one at ``source``) into ``out``; a warning naming the published
+    folder ``final`` (default ``out``) when there is none."""
     if tokenizer is None and source:
         from transformers import AutoTokenizer
 
@@ -306,7 +312,7 @@ def _save_tokenizer(tokenizer: Any, source: str | Path | None, out: Path) -> Non
         except Exception as e:  # noqa: BLE001 - no tokenizer there: the export is still complete otherwise
             logger.debug("no tokenizer at %s: %s", source, e)
     if tokenizer is None:
-        logger.warning("export: no tokenizer saved (pass tokenizer=...): AutoTokenizer.from_pretrained(%s) will fail", out)
+        logger.warning("export: no tokenizer saved (pass tokenizer=...): AutoTokenizer.from_pretrained(%s) will fail", final or out)
         return
     tokenizer.save_pretrained(out)
 

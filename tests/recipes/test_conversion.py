@@ -96,6 +96,8 @@ def test_convert_script_end_to_end(tiny_dir, tmp_path, fam):
     assert variants[0] == "original (softmax)" and len(variants) >= 3
     card = (out / "README.md").read_text()
     assert ("perplexity" in card) if fam != "bert" else ("cosine" in card)
+    # the loading snippets name the published folder, never the staging folder it was written in
+    assert str(out.resolve()) in card and ".tmp-" not in card
     # the export loads back with identical outputs
     model, _, _ = pipeline.load_model(str(out))
     assert hf_rfa.rfa_config_of(model).window == 4

@@ -118,6 +118,7 @@ def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
 
 
 def _export(s: State, tmp: Path, plot: bool) -> None:
+    # ``tmp`` is renamed to ``cfg.output`` at the end: the card and messages name the final folder
     """Hub-ready export of the final model (card with the metrics) and the per-layer error table/plot."""
     from ...hub.export import export
 
@@ -126,6 +127,7 @@ def _export(s: State, tmp: Path, plot: bool) -> None:
     export(
         s.model, tmp, base_model=cfg.base_model or (None if local else cfg.model), metrics=s.metrics, repo_id=cfg.push_to_hub,
         overwrite=True, tokenizer=s.tok, source_dir=cfg.model if os.path.isdir(cfg.model) else None,
+        published_as=Path(cfg.output).resolve(),
     )
     if s.errors:
         (tmp / "layer_errors.md").write_text(calibration.error_table(s.errors) + "\n", encoding="utf-8")
