@@ -8,9 +8,12 @@
 3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
    every other key dropped, its own LoRA with the same budget), the strongest trivial baseline;
 4. evaluates every variant (original / window-only untrained and after LoRA / hybrid untrained and
-   after LoRA) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (8,192
-   tokens each), the copy task at gaps 512 and 3,584 (8 seeded draws) and, for the original and
-   the trained variants, passkey retrieval at 1,024 tokens (20 trials × 3 depths);
+   after LoRA) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
+   4,096 and 8,192 predicted tokens), the copy task at gaps 512 and 3,584 (2 seeded draws each)
+   and, for the original and the trained variants, passkey retrieval at 1,024 tokens (4 trials × 3
+   depths). These budgets keep ``make main`` within 30 min on a 2-core CPU; the larger long-range
+   grid (8 copy draws, passkey at 1k–8k with 20 trials per cell) is ``hf-rfa-evaluate`` on the
+   output folder (commands in ``conversion/RESULTS.md``);
 5. prints the table, a greedy generation sample (decoded with the constant-memory cache) and the
    output folder (Hub-ready export, ``report.json`` with every figure).
 ``--quick`` is a few-minute run (context 512, window 64, a few LoRA steps, small eval); flags after the
@@ -28,8 +31,8 @@ import time
 DEFAULT = [
     "--feature-map", "favor+", "--num-features", "256", "--window", "256", "--sinks", "4", "--no-baselines",
     "--context", "1024", "--lora-tokens", "8192", "--lora-context", "1024", "--lora-minutes", "30",
-    "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "8192", "--error-tokens", "1024", "--eval-twin-max", "0",
-    "--copy-gaps", "512", "3584", "--copy-draws", "8", "--passkey-lengths", "1024", "--passkey-trials", "20",
+    "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",
+    "--copy-gaps", "512", "3584", "--copy-draws", "2", "--passkey-lengths", "1024", "--passkey-trials", "4",
 ]
 QUICK = [
     "--feature-map", "favor+", "--num-features", "128", "--window", "64", "--sinks", "4", "--no-random-hybrid",
