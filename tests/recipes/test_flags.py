@@ -48,8 +48,8 @@ def test_main_job_flags_give_the_same_config_as_before():
         model="m", output="o", calibration_text="c", eval_text="e",
         rfa=RFAConfig(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0), baselines=False,
         context=1024, lora_tokens=8192, lora_context=1024, lora_minutes=30.0, eval_contexts=[1024, 4096, 8192],
-        eval_tokens=8192, error_tokens=1024, eval_twin_max=0, copy_gaps=[512, 3584], copy_draws=8,
-        passkey_lengths=[1024], passkey_trials=20, transfer_tokens=500_000,
+        eval_tokens=4096, error_tokens=1024, eval_twin_max=0, copy_gaps=[512, 3584], copy_draws=2,
+        passkey_lengths=[1024], passkey_trials=4, transfer_tokens=500_000,
     )
     assert cfg == expected
     quick = config_from_args([*main_job.QUICK, *BASE])
