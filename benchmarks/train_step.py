@@ -60,17 +60,20 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) 
     for p in model.parameters():
         p.requires_grad_(True)
     ids = torch.randint(10, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-    times = []
+    times, cpu = [], []
     for _ in range(1 + steps):  # warm-up, measured
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     best = min(times[1:])
-    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "load_avg_1m": os.getloadavg()[0]}
+    # process CPU seconds of the step (all its threads): on a machine shared with other jobs, N /
+    # cpu_seconds (threads=1) tracks the compute cost when wall time does not
+    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "load_avg_1m": os.getloadavg()[0]}
 
 
 def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1) -> dict:
@@ -100,14 +103,16 @@ def render(results: list[dict]) -> str:
             return "—"
         return r.get("error", "failed") if field not in r else fmt.format(r[field])
 
-    out = ["| N | dtype | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| N | dtype | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, dt in rows:
         o, c = by.get(("original", n, dt)), by.get(("converted", n, dt))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
         ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
         mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"
         load = f"{cell(o, 'load_avg_1m', '{:.1f}')} / {cell(c, 'load_avg_1m', '{:.1f}')}"
-        out.append(f"| {n} | {dt} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} |")
+        cpu_ok = ok and "tok_per_cpu_s" in o and "tok_per_cpu_s" in c
+        cpu_cells = f"{o['tok_per_cpu_s']:.1f} / {c['tok_per_cpu_s']:.1f} = {c['tok_per_cpu_s'] / o['tok_per_cpu_s']:.2f}×" if cpu_ok else "—"
+        out.append(f"| {n} | {dt} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
     return "\n".join(out)
 
 
@@ -146,6 +151,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     ap.add_argument("--out", type=Path, default=RESULTS / "train_step")
+    ap.add_argument("--render-only", action="store_true", help="rewrite the .md/.png from the .json, run nothing")
     args = ap.parse_args()
     if args.child:
         model, n, dt = args.child
@@ -160,8 +166,9 @@ def main() -> None:
     runs_file = args.out.with_suffix(".runs.json")
     runs = json.loads(runs_file.read_text()) if runs_file.is_file() else []
     command = "python benchmarks/train_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    runs.append({"command": command.strip(), "load_avg_start": os.getloadavg()[0]})
-    for n in ns:
+    if not args.render_only:
+        runs.append({"command": command.strip(), "load_avg_start": os.getloadavg()[0]})
+    for n in ns if not args.render_only else []:
         for dt in args.dtypes:
             for model in args.models:
                 if model == "original" and n > args.original_max:
@@ -170,17 +177,19 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
                 results = [x for x in results if _key(x) != _key(r)] + [r]
                 store.write_text(json.dumps(results, indent=1))
-    runs[-1]["load_avg_end"] = os.getloadavg()[0]
+    if not args.render_only:
+        runs[-1]["load_avg_end"] = os.getloadavg()[0]
     runs_file.write_text(json.dumps(runs, indent=1))
     table = render(results)
-    cmds = "\n".join(f"    {r['command']}    # load average {r['load_avg_start']:.1f} -> {r.get('load_avg_end', float('nan')):.1f}" for r in runs)
+    cmds = "\n".join(f"    {r['command']}    # load average {r['load_avg_start']:.1f} -> {r.get('load_avg_end', float('nan')):.1f}" + (f"; {r['note']}" if r.get("note") else "") for r in runs)
     args.out.with_suffix(".md").write_text(
         "# Training step: original vs converted SmolLM2-135M\n\n"
         f"`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, {args.threads} threads, "
         "fastest measured step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process; "
         "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`. Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
-        "the thread count means other jobs shared it):\n\n" + cmds + "\n\n" + table + "\n"
+        "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
+        "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"
     )
     plot(results, args.out.with_suffix(".png"))
     print(table)

@@ -274,22 +274,15 @@ def lora_finetune(
     r: int = 8,
     max_seconds: float | None = None,
     progress: bool = True,
-    autocast: str | None = None,
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
     converted model and a :class:`TransferResult`. Feature maps stay frozen. Causal LMs only
-    (labels = inputs).
-
-    ``autocast``: None (default: float32), ``"bf16"`` or ``"fp16"`` — the forward runs under
-    ``torch.autocast`` of the model's device with that dtype (as Trainer's ``--bf16``/``--fp16``;
-    weights, optimiser state and the RFA op's features, states and sums stay float32; no loss
-    scaling). Opt-in: measured on the project's CPU in ``benchmarks/lora_autocast.py``."""
+    (labels = inputs)."""
     from peft import get_peft_model
     from tqdm.auto import tqdm
 
     from ..training.peft_utils import lora_config
 
-    amp_dtype = _autocast_dtype(autocast)
     register_train()
     cfg = lora_config(model, r=r, train_feature_maps=False)
     peft_model = get_peft_model(model, cfg)
@@ -304,8 +297,7 @@ def lora_finetune(
         with attn_implementation(base, TRAIN_NAME):
             for ids, mask in batches:
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-                with torch.autocast(ids.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                    out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+                out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -330,20 +322,7 @@ def lora_finetune(
     return merged, res
 
 
-#: ``lora_finetune(autocast=...)`` names and their dtypes
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _autocast_dtype(autocast: str | None) -> torch.dtype | None:
-    """The autocast dtype for ``autocast`` (None: no autocast); ValueError naming the field otherwise."""
-    if autocast is None:
-        return None
-    if not isinstance(autocast, str) or autocast not in AUTOCAST_DTYPES:
-        raise ValueError(f"autocast must be None or one of {sorted(AUTOCAST_DTYPES)}, got {autocast!r}")
-    return AUTOCAST_DTYPES[autocast]
-
-
 __all__ = [
-    "AUTOCAST_DTYPES", "BudgetNotReached", "TRAIN_NAME", "TWIN_MAX_KEYS", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune",
+    "BudgetNotReached", "TRAIN_NAME", "TWIN_MAX_KEYS", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune",
     "register_train", "rfa_parameters", "transfer_output",
 ]
