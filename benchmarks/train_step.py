@@ -1,22 +1,29 @@
 """One training step of SmolLM2-135M, original vs converted: tokens/s and peak RSS.
 
-    .venv/bin/python benchmarks/train_step.py                       # the full table
+    .venv/bin/python benchmarks/train_step.py                  # N = 1024, 2048, 4096; fp32 and bf16 (~20 min idle)
+    .venv/bin/python benchmarks/train_step.py --long           # + N = 8192 (both) and 16384 (converted only)
     .venv/bin/python benchmarks/train_step.py --n 1024 2048 --dtypes fp32
 
 Batch 1, ``model(ids, labels=ids).loss.backward()``, all parameters trainable, ``model.train()``;
 converted = FAVOR+ m=256 + window 256 + 4 sinks (the main job's recipe). Each case (model, N,
 dtype) runs in its own subprocess (so its peak RSS, ``resource.getrusage``, is its own): load,
-convert, one warm-up step, one measured step (tokens/s = N / its wall time). ``bf16`` runs the
-step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (what Trainer's ``--bf16`` does).
-Cases of the original beyond ``--original-max`` are skipped. A case that fails (e.g. killed for
-memory) is recorded as such. Results are merged into ``benchmarks/results/train_step.json`` (so
-runs can be split) and rendered as ``train_step.md`` and ``train_step.png`` there.
+convert, one warm-up step, ``--steps`` measured steps (tokens/s = N / the fastest one). ``bf16``
+runs the step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (what Trainer's ``--bf16``
+does). For each (N, dtype) the original and the converted case run one after the other, so their
+ratio is measured under the same machine load (the load average is recorded with each case).
+Cases of the original beyond ``--original-max`` are skipped (the default, 8192: the original's
+16,384-token step does not fit this 23 GiB machine next to other jobs); ``--long`` adds the long
+cases (8192 and, converted only, 16384). A case that fails (e.g. killed for memory) is recorded as
+such. Results are merged into ``<out>.json`` (so runs can be split) and rendered as ``<out>.md``
+(with the command lines that produced them) and ``<out>.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +32,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RECIPE = dict(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0)
 
 
-def one_case(model_kind: str, n: int, dtype: str, threads: int) -> dict:
-    """Runs in the child process: load, (convert), warm-up step, measured step."""
+#: the default lengths, and what ``--long`` adds (16384: converted only, see ``--original-max``)
+SHORT_N = [1024, 2048, 4096]
+LONG_N = [8192, 16384]
+
+
+def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) -> dict:
+    """Runs in the child process: load, (convert), warm-up step, ``steps`` measured steps."""
     import resource
     import time
 
@@ -36,6 +48,10 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int) -> dict:
     import hf_rfa
     from hf_rfa.assets.models import smollm2_path
 
+    try:  # if memory runs out, the kernel's OOM killer takes this case first, not a neighbour's job
+        Path("/proc/self/oom_score_adj").write_text("1000")
+    except OSError:
+        pass
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     if model_kind == "converted":
@@ -44,20 +60,24 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int) -> dict:
     for p in model.parameters():
         p.requires_grad_(True)
     ids = torch.randint(10, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(2):  # warm-up, measured
+    times, cpu = [], []
+    for _ in range(1 + steps):  # warm-up, measured
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return {"model": model_kind, "n": n, "dtype": dtype, "seconds": times[1], "tok_s": n / times[1], "peak_rss_gib": rss / 2**30, "loss": float(loss)}
+    best = min(times[1:])
+    # process CPU seconds of the step (all its threads): on a machine shared with other jobs, N /
+    # cpu_seconds (threads=1) tracks the compute cost when wall time does not
+    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "load_avg_1m": os.getloadavg()[0]}
 
 
-def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads)]
+def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1) -> dict:
+    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads), "--steps", str(steps)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -83,13 +103,16 @@ def render(results: list[dict]) -> str:
             return "—"
         return r.get("error", "failed") if field not in r else fmt.format(r[field])
 
-    out = ["| N | dtype | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| N | dtype | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, dt in rows:
         o, c = by.get(("original", n, dt)), by.get(("converted", n, dt))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
         ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
         mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"
-        out.append(f"| {n} | {dt} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} |")
+        load = f"{cell(o, 'load_avg_1m', '{:.1f}')} / {cell(c, 'load_avg_1m', '{:.1f}')}"
+        cpu_ok = ok and "tok_per_cpu_s" in o and "tok_per_cpu_s" in c
+        cpu_cells = f"{o['tok_per_cpu_s']:.1f} / {c['tok_per_cpu_s']:.1f} = {c['tok_per_cpu_s'] / o['tok_per_cpu_s']:.2f}×" if cpu_ok else "—"
+        out.append(f"| {n} | {dt} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
     return "\n".join(out)
 
 
@@ -119,35 +142,54 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "N", "DTYPE"), help=argparse.SUPPRESS)
-    ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--n", type=int, nargs="+", default=None, help=f"token counts (default {SHORT_N}, with --long also {LONG_N})")
+    ap.add_argument("--long", action="store_true", help=f"add the long cases N = {LONG_N} (an hour or more on 2 cores)")
+    ap.add_argument("--steps", type=int, default=1, help="measured steps per case after the warm-up (the fastest counts)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--models", nargs="+", default=["original", "converted"], choices=["original", "converted"])
     ap.add_argument("--original-max", type=int, default=8192, help="largest N run for the original model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     ap.add_argument("--out", type=Path, default=RESULTS / "train_step")
+    ap.add_argument("--render-only", action="store_true", help="rewrite the .md/.png from the .json, run nothing")
     args = ap.parse_args()
     if args.child:
         model, n, dt = args.child
-        print(json.dumps(one_case(model, int(n), dt, args.threads)), flush=True)
+        print(json.dumps(one_case(model, int(n), dt, args.threads, args.steps)), flush=True)
         return
+    if args.steps < 1:
+        raise ValueError(f"steps must be >= 1, got {args.steps}")
+    ns = args.n if args.n is not None else SHORT_N + (LONG_N if args.long else [])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     store = args.out.with_suffix(".json")
     results = json.loads(store.read_text()) if store.is_file() else []
-    for n in args.n:
+    runs_file = args.out.with_suffix(".runs.json")
+    runs = json.loads(runs_file.read_text()) if runs_file.is_file() else []
+    command = "python benchmarks/train_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if not args.render_only:
+        runs.append({"command": command.strip(), "load_avg_start": os.getloadavg()[0]})
+    for n in ns if not args.render_only else []:
         for dt in args.dtypes:
             for model in args.models:
                 if model == "original" and n > args.original_max:
                     continue
-                r = run_case(model, n, dt, args.threads, args.timeout)
+                r = run_case(model, n, dt, args.threads, args.timeout, args.steps)
                 print(json.dumps(r), flush=True)
                 results = [x for x in results if _key(x) != _key(r)] + [r]
                 store.write_text(json.dumps(results, indent=1))
+    if not args.render_only:
+        runs[-1]["load_avg_end"] = os.getloadavg()[0]
+    runs_file.write_text(json.dumps(runs, indent=1))
     table = render(results)
+    cmds = "\n".join(f"    {r['command']}    # load average {r['load_avg_start']:.1f} -> {r.get('load_avg_end', float('nan')):.1f}" + (f"; {r['note']}" if r.get("note") else "") for r in runs)
     args.out.with_suffix(".md").write_text(
         "# Training step: original vs converted SmolLM2-135M\n\n"
         f"`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, {args.threads} threads, "
-        "second step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process.\n\n" + table + "\n"
+        "fastest measured step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process; "
+        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`. Original and converted of a row ran back to back (the ratio is measured "
+        "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
+        "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
+        "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"
     )
     plot(results, args.out.with_suffix(".png"))
     print(table)

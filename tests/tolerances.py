@@ -18,3 +18,6 @@ DDP_LOSS_REL = 1e-5
 RESUME_LOSS_REL = 1e-6
 #: FSDP2 (sharded) vs the same model unsharded, per step (relative)
 FSDP_LOSS_REL = 1e-5
+#: gradients (inputs and feature-map parameters) of the op vs the reference twin, float64 (relative;
+#: observed <= 1e-12, including rows on a signed map's eps floor)
+GRAD_FP64 = 1e-8

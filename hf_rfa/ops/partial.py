@@ -57,5 +57,17 @@ def finalize(p: Partial, eps: float) -> torch.Tensor:
 
     For non-negative features ``den > 0`` whenever a key is visible and ``eps`` is only a guard;
     for signed maps (rff, rfa) it is the documented floor of a normaliser that crossed zero.
+
+    Gradients: the floor is relative to the row's stabilisation scale, which is a constant for
+    differentiation everywhere in the ops (and in the quadratic twin, ``reference.py``): ``num``
+    and ``den`` are re-expressed relative to ``log_scale.detach()`` before the floor. Where the
+    log scale carries a gradient (a Partial that was never merged: the causal feature part alone,
+    whose log scale holds the query's feature log scale and a gated map's cumulative log gate)
+    this factor is 1 in value and only moves that gradient into ``num``/``den``, so that rows on
+    the floor get the same gradient as in the twin and in merged hybrids. (Unfloored rows do not
+    depend on the scale at all.)
     """
+    if p.log_scale.requires_grad:
+        unit = torch.exp(p.log_scale - p.log_scale.detach())  # == 1, carries d(log_scale)
+        return (p.num * unit.unsqueeze(-1)) / (p.den * unit).clamp_min(eps).unsqueeze(-1)
     return p.num / p.den.clamp_min(eps).unsqueeze(-1)
