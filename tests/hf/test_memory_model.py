@@ -1,0 +1,64 @@
+"""Converted models with an exact global memory (``RFAConfig(memory=M)``): cached decoding with
+``RFACache`` equals one full forward, generate() equals recomputation, save/load keeps it, and
+bidirectional models are refused."""
+
+import pytest
+import torch
+
+import hf_rfa
+from hf_rfa.ops.memory import MemoryState
+from tiny_models import VOCAB, tiny_model
+from tolerances import DECODE_LOGITS
+
+SETTINGS = {
+    "none": dict(feature_map="none", window=4, sinks=2, memory=3, memory_every=4),
+    "favor+": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8),
+    "hedgehog": dict(feature_map="hedgehog", num_features=16, window=3, sinks=0, memory=2, memory_every=5, chunk_size=4),
+}
+
+
+def _batch(n=26, pad=5):
+    ids = torch.randint(2, VOCAB, (2, n), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_cached_decoding_matches_full_forward(family, setting):
+    model = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**SETTINGS[setting]))
+    ids, mask = _batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        plain = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**{**SETTINGS[setting], "memory": 0}))(ids, attention_mask=mask).logits
+        cache = hf_rfa.RFACache(model)
+        outs, t, sizes = [], 0, []
+        for step in (7, 5) + (1,) * (ids.shape[1] - 12):
+            outs.append(model(ids[:, t:t + step], attention_mask=mask[:, :t + step], cache=cache, use_cache=True).logits)
+            sizes.append(cache.nbytes())
+            t += step
+    assert all(isinstance(layer.state, MemoryState) for layer in cache.layers)
+    assert (torch.cat(outs, 1) - full)[mask.bool()].abs().max().item() <= DECODE_LOGITS
+    assert (plain - full)[mask.bool()].abs().max().item() > 10 * DECODE_LOGITS  # the memory is used
+    cfg = SETTINGS[setting]
+    assert max(sizes[cfg["window"] + cfg["memory_every"]:]) == max(sizes)  # bounded
+
+
+def test_generate_matches_recompute_and_save_load(tmp_path):
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["favor+"]))
+    ids, mask = _batch(n=14, pad=3)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, use_cache=False)
+        assert isinstance(out.cache, hf_rfa.RFACache)
+        assert torch.equal(out.sequences, ref)
+        model.save_pretrained(tmp_path)
+        again = hf_rfa.from_pretrained(str(tmp_path), type(model))
+        assert again.model.layers[0].self_attn.rfa.memory == 3
+        assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+def test_bidirectional_model_with_memory_is_refused():
+    with pytest.raises(ValueError, match="memory"):
+        hf_rfa.convert(tiny_model("bert"), hf_rfa.RFAConfig(window=4, memory=8))
