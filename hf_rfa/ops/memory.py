@@ -48,10 +48,12 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .backends import native
 from .decode import DecodeState, _exact_part, _join_sinks
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, to_output_dtype, validate_qkv
+from .hybrid import exact_local
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
-from .recurrent import LinearState, fold, read
+from .recurrent import LinearState, fold
 
 #: largest ``memory`` (keys per kv head)
 MAX_MEMORY = 65536
@@ -184,28 +186,41 @@ def _weights(scores_or_logs: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tens
 def _memory_part(xq: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, ok: torch.Tensor) -> Partial:
     """Exact softmax terms of the memory: xq ``[B, Hkv, G, C, D]``, mk ``[B, Hkv, M, D]`` (both
     scaled by √scale), mv ``[B, Hkv, M, Dv]``, ok ``[B, Hkv, M]``."""
-    scores = xq @ mk.unsqueeze(2).transpose(-1, -2)  # [B,Hkv,G,C,M]
-    p, r = _weights(scores, ok[:, :, None, None, :])
-    return Partial(p @ mv.unsqueeze(2), p.sum(-1), r)
+    b, hkv, g, c, d = xq.shape
+    scores = xq.reshape(b, hkv, g * c, d) @ mk.transpose(-1, -2)  # [B,Hkv,G·C,M] (no broadcast copies)
+    p, r = _weights(scores, ok[:, :, None, :])
+    return Partial((p @ mv).view(b, hkv, g, c, -1), p.sum(-1).view(b, hkv, g, c), r.view(b, hkv, g, c))
+
+
+def _read(linear: LinearState, qf: torch.Tensor, lq: torch.Tensor | None) -> Partial:
+    """:func:`hf_rfa.ops.recurrent.read` without broadcasting the state over the G query heads:
+    qf ``[B, Hkv, G, C, F]``."""
+    b, hkv, g, c, f = qf.shape
+    q2 = qf.reshape(b, hkv, g * c, f)
+    num = (q2 @ linear.S).view(b, hkv, g, c, -1)
+    den = (q2 @ linear.z.unsqueeze(-1)).view(b, hkv, g, c)
+    ls = linear.ref[:, :, None, None].expand(b, hkv, g, c)
+    return Partial(num, den, ls if lq is None else ls + lq)
 
 
 def _pending_part(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Tensor, lk: torch.Tensor | None, vk: torch.Tensor, vis: torch.Tensor) -> Partial:
     """Feature terms of the pending keys: qf ``[B, Hkv, G, C, F]``, lq ``[B, Hkv, G, C]`` or None,
     kf ``[B, Hkv, P, F]``, lk ``[B, Hkv, P]`` or None, vk ``[B, Hkv, P, Dv]``, vis ``[B, C, P]``
     (key p visible to query c). Streaming-safe: each row's scale is the max over its own keys."""
-    b, hkv, g, c, _ = qf.shape
-    dot = qf @ kf.unsqueeze(2).transpose(-1, -2)  # [B,Hkv,G,C,P]
+    b, hkv, g, c, f = qf.shape
+    p = kf.shape[2]
+    dot = (qf.reshape(b, hkv, g * c, f) @ kf.transpose(-1, -2)).view(b, hkv, g, c, p)
     ok = vis[:, None]  # [B,1,C,P]
     if lk is not None:
-        w, m = _weights(lk.unsqueeze(-2).expand(b, hkv, c, lk.shape[-1]), ok)  # [B,Hkv,C,P], [B,Hkv,C]
+        w, m = _weights(lk.unsqueeze(-2).expand(b, hkv, c, p), ok)  # [B,Hkv,C,P], [B,Hkv,C]
         ls = m.unsqueeze(2).expand(b, hkv, g, c)
     else:
-        w = ok.to(dot.dtype).expand(b, hkv, c, kf.shape[2])
+        w = ok.to(dot.dtype).expand(b, hkv, c, p)
         ls = dot.new_zeros(b, hkv, g, c)
     a = dot * w.unsqueeze(2)
     if lq is not None:
         ls = ls + lq
-    return Partial(a @ vk.unsqueeze(2), a.sum(-1), ls)
+    return Partial((a.view(b, hkv, g * c, p) @ vk).view(b, hkv, g, c, -1), a.sum(-1), ls)
 
 
 def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
@@ -218,9 +233,10 @@ def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
     return f.phi.reshape(b, hkv, h // hkv, c, -1), (f.log_scale.reshape(b, hkv, h // hkv, c) if f.log_scale is not None else None)
 
 
-def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int) -> tuple[torch.Tensor, MemoryState]:
+def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False) -> tuple[torch.Tensor, MemoryState]:
     """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
-    bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state)."""
+    bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state).
+    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule)."""
     base = state.base
     b, h, n, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -247,7 +263,14 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     exact = None
     if window > 0 or sinks > 0:  # window band + sinks: independent of the memory
         xs = sink_k.to(ct) * root if sinks > 0 else None
-        exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size)
+        if p0 == 0 and native_band:  # a prefill: the band of the op without memory (same terms)
+            spos, sok = sink_positions(km, b, n, sinks, dev) if sinks > 0 else (None, None)
+            num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
+            exact = Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n))
+        elif p0 == 0:
+            exact = exact_local(xqg, xk, vv, km, window, sinks, True, chunk_size)
+        else:
+            exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size)
 
     mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
     linear = base.linear
@@ -279,7 +302,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             part = _memory_part(xqg[:, :, :, qi], mk, mv, mem["ok"])
             if not null:
                 qf, lq = _features(feature_map, xq[:, :, qi], True, hkv)
-                part = merge(part, read(linear, qf, lq))
+                part = merge(part, _read(linear, qf, lq))
                 top = c1 - window - pos0  # pending keys of this chunk: local [lo, top), s <= t − W
                 if top > lo:
                     kf, lkf = _features(feature_map, xk[:, :, lo:top], False, hkv)
@@ -324,9 +347,11 @@ def memory_attention(
     memory_every: int,
     scale: float,
     chunk_size: int = 64,
+    native_band: bool = False,
 ) -> torch.Tensor:
     """Causal hybrid attention with an exact memory over a whole sequence (the prefill form;
-    ``random_feature_attention(memory=M)`` calls it on checked, finite inputs).
+    ``random_feature_attention(memory=M)`` calls it on checked, finite inputs; ``native_band``:
+    the exact window/sink part runs the compiled CPU kernel, as the op without memory does).
 
     q ``[B, H, Nq, D]`` (the last Nq of the Nk positions), k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk,
     Dv]``, key_mask ``[B, Nk]`` bool or None → ``[B, H, Nq, Dv]`` in q's dtype.
@@ -338,7 +363,7 @@ def memory_attention(
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct)
-    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size)
+    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band)
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
 
 
