@@ -62,3 +62,23 @@ def test_generate_matches_recompute_and_save_load(tmp_path):
 def test_bidirectional_model_with_memory_is_refused():
     with pytest.raises(ValueError, match="memory"):
         hf_rfa.convert(tiny_model("bert"), hf_rfa.RFAConfig(window=4, memory=8))
+
+
+def test_recipes_run_the_layer_with_its_memory():
+    """Layer errors / LoRA (``rfa_output``, the op) and attention transfer (``transfer_output``, the
+    twin up to 256 keys) both answer the memory keys exactly."""
+    from hf_rfa.recipes.conversion.calibration import Captured, rfa_output
+    from hf_rfa.recipes.conversion.transfer import transfer_output
+
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["favor+"]))
+    rfa = model.model.layers[0].self_attn.rfa
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :6] = False
+    cap = Captured(q, k, v, q, mask, True, None)
+    a, b = rfa_output(rfa, cap), transfer_output(rfa, cap)
+    real = mask[:, None, :, None].expand_as(a)
+    assert ((a - b)[real].norm() / b[real].norm()).item() <= 1e-5
+    rfa.memory = 0
+    assert ((rfa_output(rfa, cap) - b)[real].norm() / b[real].norm()).item() > 1e-3
