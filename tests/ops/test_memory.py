@@ -181,3 +181,21 @@ def test_bad_arguments_name_the_field():
     state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 0, 4, torch.float32)
     with pytest.raises(ValueError, match="memory"):
         continue_memory_attention(state, q, k, v, fm, memory=8)
+
+
+def test_nonfinite_key_poisons_only_its_rows_in_prefill_and_decoding():
+    q, k, v, mask = _inputs(6, n=40, pad=0)
+    fm = _map("favor+")
+    kw = dict(window=5, sinks=2, memory=4, memory_every=8)
+    clean = hf_rfa.random_feature_attention(q, k, v, fm, **kw)
+    k[0, 0, 20, 0] = float("nan")
+    out = hf_rfa.random_feature_attention(q, k, v, fm, **kw)
+    assert torch.isnan(out[0, :2, 20:]).all() and not torch.isnan(out[0, :2, :20]).any() and not torch.isnan(out[0, 2:]).any()
+    assert torch.equal(out[1], clean[1]) and torch.equal(out[0, :, :20], clean[0, :, :20])
+    state, outs = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 2, 4, torch.float32), []
+    for i in range(0, 40, 7):
+        o, state = continue_memory_attention(state, q[:, :, i:i + 7], k[:, :, i:i + 7], v[:, :, i:i + 7], fm, **kw)
+        outs.append(o)
+    dec = torch.cat(outs, 2)
+    assert torch.equal(torch.isnan(dec), torch.isnan(out)) and rel(dec.nan_to_num(), out.nan_to_num()) <= ORACLE_FP32
+    assert all(torch.isfinite(t).all() for t in state.tensors().values() if t.is_floating_point())
