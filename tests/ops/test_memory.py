@@ -199,3 +199,24 @@ def test_nonfinite_key_poisons_only_its_rows_in_prefill_and_decoding():
     dec = torch.cat(outs, 2)
     assert torch.equal(torch.isnan(dec), torch.isnan(out)) and rel(dec.nan_to_num(), out.nan_to_num()) <= ORACLE_FP32
     assert all(torch.isfinite(t).all() for t in state.tensors().values() if t.is_floating_point())
+
+
+def test_ties_keep_the_older_key_in_prefill_and_decoding():
+    """±1 values: every ‖v‖ is exactly 4, so the memory is the oldest M candidates."""
+    q, k, v, mask = _inputs(7, n=40)
+    v = torch.sign(v) + (v == 0)
+    fm = _map("none")
+    kw = dict(window=5, sinks=2, memory=4, memory_every=8)
+    member = memory_membership(v, mask, **kw)
+    for bi in range(B):
+        real = mask[bi].nonzero().flatten().tolist()
+        cands = [s for s in real[2:] if s < 32 - 5]  # the refresh before the last query: 32
+        assert member[bi, :, -1].nonzero()[:, 1].view(HKV, -1).tolist() == [cands[:4]] * HKV
+    out = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, **kw)
+    ref = quadratic_kernel_attention(q, k, v, fm, True, mask, **kw)
+    real = mask[:, None, :, None].expand_as(ref)
+    assert rel(out[real], ref[real]) <= ORACLE_FP32
+    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 2, 4, torch.float32)
+    for i in range(40):
+        _, state = continue_memory_attention(state, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], fm, mask[:, i:i + 1], **kw)
+    assert torch.equal(torch.zeros_like(member[:, :, -1]).scatter_(2, state.mem_pos, state.mem_ok), member[:, :, -1])
