@@ -53,6 +53,8 @@ def test_generate_matches_recompute_and_save_load(tmp_path):
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, use_cache=False)
         assert isinstance(out.cache, hf_rfa.RFACache)
         assert torch.equal(out.sequences, ref)
+        beams = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)  # reorders the MemoryState
+        assert torch.equal(beams, model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False, use_cache=False))
         model.save_pretrained(tmp_path)
         again = hf_rfa.from_pretrained(str(tmp_path), type(model))
         assert again.model.layers[0].self_attn.rfa.memory == 3
