@@ -8,15 +8,16 @@ the keys outside window, sinks and memory.
 Definition (its brute-force twin is :func:`hf_rfa.ops.reference.memory_membership`): the memory
 is re-chosen at every position r that is a multiple of E = ``memory_every``, *before* query r is
 answered, and queries ``r … r+E−1`` use it. It is the M keys with the largest ``‖v‖`` (ties: the
-older key) among the real, non-sink keys ``s < r − W`` — those that had left the window of
-query r − 1. Keys in the memory are exact; keys that left the window but are not in the memory
-are feature keys.
+older key) among the real, non-sink keys ``s ≤ r − W`` — those older than the window of query
+r (which is ``(r − W, r]``; with W = 0 every key ``s ≤ r``). Keys in the memory are exact; keys
+that left the window but are not in the memory are feature keys.
 
 Incremental form (this module), with no subtraction from the feature state: the candidates at r
-are the previous memory plus the keys that left the window since the previous refresh (a
-top-M of a union is the top-M of the old top-M and the new keys), so
+are the previous memory plus the keys ``r − E − W < s ≤ r − W`` (a top-M of a union is the top-M
+of the old top-M and the new keys), so
 
-- a key that leaves the window is a *pending* feature key until the next refresh (queries read
+- a key that leaves the window between refreshes (``r − W < s ≤ t − W`` for query t of the period
+  starting at r) is a *pending* feature key until the next refresh (queries read
   pending keys directly: a causal ``[C, ≤E]`` product per query chunk, like the intra-chunk part
   of the chunkwise form);
 - at the refresh it either enters the memory or is folded into the linear feature state ``S, z``
@@ -279,8 +280,8 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     a = p0
     while a < p0 + n:
         end = min(p0 + n, (a // memory_every + 1) * memory_every)  # this refresh period's queries: [a, end)
-        if a % memory_every == 0 and a - window - pos0 > lo:  # refresh: keys [lo, a − W) are new candidates
-            hi = a - window - pos0
+        if a % memory_every == 0 and a - window - pos0 + 1 > lo:  # refresh: keys [lo, a − W] are new candidates
+            hi = a - window - pos0 + 1
             cand = {
                 "k": lk_raw[:, :, lo:hi], "v": lv_raw[:, :, lo:hi],
                 "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),

@@ -158,8 +158,8 @@ def memory_membership(
     The brute-force definition (the fast path, :mod:`hf_rfa.ops.memory`, keeps it incrementally):
     query t (position ``Nk − Nq + i``) uses the memory chosen at ``r = (t // memory_every) ·
     memory_every``: the ``memory`` keys with the largest ``‖v‖`` (ties: the older key) among the
-    keys ``s < r − window`` that are real (``attention_mask``) and not sinks — the keys that had
-    left the window before position r. v ``[B, Hkv, Nk, Dv]``. Chosen from scratch for every r.
+    keys ``s ≤ r − window`` that are real (``attention_mask``) and not sinks — the keys older than
+    the window of query r. v ``[B, Hkv, Nk, Dv]``. Chosen from scratch for every r.
     """
     b, hkv, nk, _ = v.shape
     nq = nk if nq is None else nq
@@ -174,7 +174,7 @@ def memory_membership(
     t = torch.arange(nk - nq, nk, device=dev)
     refresh = (t // memory_every) * memory_every
     for r in refresh.unique().tolist():
-        cand = (eligible & (s < r - window).view(1, nk)).view(b, 1, nk).expand(b, hkv, nk)
+        cand = (eligible & (s <= r - window).view(1, nk)).view(b, 1, nk).expand(b, hkv, nk)
         key = torch.where(cand, norm, torch.full_like(norm, float("-inf")))
         order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # ties: lower position first
         rank = torch.empty_like(order).scatter_(-1, order, s.expand_as(order))

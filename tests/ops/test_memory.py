@@ -43,7 +43,7 @@ def _brute_memory(v, mask, window, sinks, memory, every):
         for hi in range(hkv):
             for t in range(n):
                 r = t // every * every
-                cand = [s for s in real if s < r - window and s not in sink]
+                cand = [s for s in real if s <= r - window and s not in sink]
                 for s in sorted(cand, key=lambda s: (-float(norms[bi, hi, s]), s))[:memory]:
                     out[bi, hi, t, s] = True
     return out
@@ -210,7 +210,7 @@ def test_ties_keep_the_older_key_in_prefill_and_decoding():
     member = memory_membership(v, mask, **kw)
     for bi in range(B):
         real = mask[bi].nonzero().flatten().tolist()
-        cands = [s for s in real[2:] if s < 32 - 5]  # the refresh before the last query: 32
+        cands = [s for s in real[2:] if s <= 32 - 5]  # the refresh before the last query: 32
         assert member[bi, :, -1].nonzero()[:, 1].view(HKV, -1).tolist() == [cands[:4]] * HKV
     out = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, **kw)
     ref = quadratic_kernel_attention(q, k, v, fm, True, mask, **kw)
