@@ -7,8 +7,8 @@ the keys outside window, sinks and memory.
 
 Definition (its brute-force twin is :func:`hf_rfa.ops.reference.memory_membership`): the memory
 is re-chosen at every position r that is a multiple of E = ``memory_every``, *before* query r is
-answered, and queries ``r … r+E−1`` use it. It is the M keys with the largest ``‖v‖`` (ties: the
-older key) among the real, non-sink keys ``s ≤ r − W`` — those older than the window of query
+answered, and queries ``r … r+E−1`` use it. It is the M keys with the largest ``‖v‖`` (compared
+at a resolution of 0.07 %, :func:`value_norm`; ties: the older key) among the real, non-sink keys ``s ≤ r − W`` — those older than the window of query
 r (which is ``(r − W, r]``; with W = 0 every key ``s ≤ r``). Keys in the memory are exact; keys
 that left the window but are not in the memory are feature keys.
 
@@ -60,11 +60,21 @@ from .recurrent import LinearState, fold
 MAX_MEMORY = 65536
 
 
+#: the selection compares ``log2 ‖v‖`` rounded to multiples of 2**-SCORE_BITS (≈ 0.07 % for 10)
+SCORE_BITS = 10
+
+
 def value_norm(v: torch.Tensor) -> torch.Tensor:
-    """The selection score ``‖v‖`` ``[..., N]`` of values ``[..., N, Dv]`` (detached; float32,
-    float64 stays float64)."""
-    ct = torch.float64 if v.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(v.detach().to(ct), dim=-1)
+    """The selection score of values ``[..., N, Dv]``: ``log2 ‖v‖`` rounded to a multiple of
+    ``2**-SCORE_BITS`` → ``[..., N]`` float32 (detached; finite: zero values score ≈ −100).
+
+    Why rounded: a repeated token has the same value vector, but the prefill and cached decoding
+    compute it with matmuls of other shapes, so the two copies can differ in the last bit; an
+    exact-float ranking would then break their tie one way in one form and the other way in the
+    other (decoding ≠ full forward). Rounded scores tie, and ties go to the older key in both
+    (a flip needs a value within float rounding of a rounding boundary: ~1e-4 per key)."""
+    n = torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1).clamp_min(1e-30)
+    return (torch.round(torch.log2(n) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
 
 
 def check_memory_args(memory, memory_every, causal: bool, feature_map) -> tuple[int, int]:
@@ -86,7 +96,8 @@ class MemoryState:
               from the oldest pending one to the last (positions ``[seen − Lb, seen)``, Lb ≤ W + E);
               ``linear`` holds every folded key; sinks as there; ``win_decay`` is unused (empty).
     mem_k:    ``[B, Hkv, M, D]`` memory keys (input dtype); ``mem_v [B, Hkv, M, Dv]`` their values.
-    mem_pos:  ``[B, Hkv, M]`` long, their positions; ``mem_norm [B, Hkv, M]`` their ``‖v‖``.
+    mem_pos:  ``[B, Hkv, M]`` long, their positions; ``mem_norm [B, Hkv, M]`` their score
+              (:func:`value_norm`).
     mem_ok:   ``[B, Hkv, M]`` bool, the slot holds a key.
     """
 
