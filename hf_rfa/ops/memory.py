@@ -274,7 +274,6 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
 
     exact = None
     if window > 0 or sinks > 0:  # window band + sinks: independent of the memory
-        xs = sink_k.to(ct) * root if sinks > 0 else None
         if p0 == 0 and native_band:  # a prefill: the band of the op without memory (same terms)
             spos, sok = sink_positions(km, b, n, sinks, dev) if sinks > 0 else (None, None)
             num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
@@ -282,7 +281,8 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         elif p0 == 0:
             exact = exact_local(xqg, xk, vv, km, window, sinks, True, chunk_size)
         else:
-            exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size)
+            xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
+            exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
 
     mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
     linear = base.linear
