@@ -27,6 +27,8 @@ VARIANTS = {
     "none+mem": dict(feature_map="none", memory=128, memory_every=64, **BASE),
     "favor+mem": dict(feature_map="favor+", num_features=256, memory=128, memory_every=64, **BASE),
     "favor+": dict(feature_map="favor+", num_features=256, **BASE),
+    "none+mem256": dict(feature_map="none", memory=256, memory_every=64, **BASE),
+    "favor+mem256": dict(feature_map="favor+", num_features=256, memory=256, memory_every=64, **BASE),
 }
 
 
