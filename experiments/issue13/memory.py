@@ -35,7 +35,7 @@ VARIANTS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="none,none+mem,favor+mem", help=f"comma-separated, of {list(VARIANTS)}")
-    p.add_argument("--tasks", default="copy512,ppl1024")
+    p.add_argument("--tasks", default="copy512,ppl1024", help="of copy512, copy3584, ppl1024")
     p.add_argument("--draws", type=int, default=4)
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1)
@@ -53,8 +53,8 @@ def main() -> None:
         with torch.no_grad():
             for task in tasks:
                 t0 = time.time()
-                if task == "copy512":
-                    r = long_range.copy_task(model, ev, gap=512, draws=args.draws, seed=0, progress=False)
+                if task in ("copy512", "copy3584"):
+                    r = long_range.copy_task(model, ev, gap=int(task[4:]), draws=args.draws, seed=0, progress=False)
                 elif task == "ppl1024":
                     r = evaluation.perplexity(model, ev, 1024, args.ppl_tokens, progress=False)
                 else:
