@@ -7,7 +7,8 @@ A Llama built in code with the shapes of SmolLM2-135M (hidden 576, 9 heads, 3 kv
 dim 64, MLP 1536, vocab 49152) but ``--layers`` layers (SmolLM2 has 30), random weights, fp32,
 on this CPU. The softmax baseline (``attn_implementation="sdpa"``) gets its ``DynamicCache`` by
 prefilling the context in chunks; the converted copies (favor+, and favor+ with an exact window
-and sinks) prefill in the chunked linear form into an ``RFACache``. Then each model decodes
+and sinks, and with an exact memory of 128 keys) prefill in the chunked linear form into an
+``RFACache``; its reported bytes are the whole state, memory included. Then each model decodes
 ``--steps`` single tokens; the models are timed *alternately* step by step (so load from other
 processes hits all of them alike) and the median per-token latency is reported.
 """
@@ -31,6 +32,9 @@ logger = logging.getLogger("benchmarks.decode")
 VARIANTS = {
     "rfa favor+ m=128": dict(feature_map="favor+", num_features=128),
     "rfa favor+ m=128 W=64 S=4": dict(feature_map="favor+", num_features=128, window=64, sinks=4),
+    # exact global memory (hf_rfa.ops.memory): its 128 keys/values per kv head (+ the <= 64 keys awaiting
+    # the next refresh) are part of the cache bytes reported (RFACache.nbytes)
+    "rfa favor+ m=128 W=64 S=4 memory=128": dict(feature_map="favor+", num_features=128, window=64, sinks=4, memory=128, memory_every=64),
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from .feature_maps import available_feature_maps
 from .ops.backends import backend_names, check_name
 from .ops.masks import MAX_CHUNK, MAX_SINKS, check_int
+from .ops.memory import MAX_MEMORY
 
 #: inclusive ranges of the integer fields (a config.json can carry any value: absurd ones are
 #: refused before they reach an allocation or a kernel)
@@ -19,6 +20,8 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "redraw_interval": (0, 2**31 - 1),
     "chunk_size": (1, MAX_CHUNK),
     "seed": (-(2**63), 2**63 - 1),
+    "memory": (0, MAX_MEMORY),
+    "memory_every": (1, MAX_CHUNK),
 }
 #: largest layer index accepted in ``layers``
 _MAX_LAYER = 2**20
@@ -50,6 +53,11 @@ class RFAConfig:
     )
     backend: str = field(default="auto", metadata={"help": f"implementation of each attention call, one of {list(backend_names())} (hf_rfa.ops.backends)"})
     feature_map_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra options of the map"})
+    memory: int = field(
+        default=0,
+        metadata={"help": "causal layers: exact global memory of at most this many keys per kv head (0: off), chosen at every refresh as the keys with the largest ||v|| among those older than the window (not sinks); answered by exact softmax, excluded from the feature part (hf_rfa.ops.memory)"},
+    )
+    memory_every: int = field(default=64, metadata={"help": "the exact memory is re-chosen at positions that are multiples of this (used with memory > 0)"})
 
     def __post_init__(self) -> None:
         names = available_feature_maps()
@@ -63,6 +71,8 @@ class RFAConfig:
         if self.feature_map == "none" and self.window == 0 and self.sinks == 0:
             raise ValueError("feature_map='none' (window-only baseline) needs window > 0 or sinks > 0")
         check_name(self.backend)
+        if self.memory > 0 and self.gate:
+            raise ValueError("memory > 0 does not support gate=True (a decayed feature state cannot take memory keys back at their fold time); use memory=0 or gate=False")
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:

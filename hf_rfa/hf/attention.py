@@ -37,7 +37,7 @@ class RFAAttention(nn.Module):
 
     def __init__(
         self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
-        checkpoint_blocks: bool = True, backend: str = "auto",
+        checkpoint_blocks: bool = True, backend: str = "auto", memory: int = 0, memory_every: int = 64,
     ) -> None:
         super().__init__()
         self.feature_map = feature_map
@@ -47,6 +47,8 @@ class RFAAttention(nn.Module):
         self.layer_idx = int(layer_idx)
         self.checkpoint_blocks = bool(checkpoint_blocks)
         self.backend = backend
+        self.memory = int(memory)
+        self.memory_every = int(memory_every)
 
     def forward(
         self,
@@ -66,10 +68,12 @@ class RFAAttention(nn.Module):
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
             checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
+            memory=self.memory, memory_every=self.memory_every,
         )
 
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}"
+        mem = f", memory={self.memory}, memory_every={self.memory_every}" if self.memory else ""
+        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}{mem}"
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:

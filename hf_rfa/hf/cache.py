@@ -3,7 +3,9 @@
 :class:`RFACache` is a transformers ``Cache`` whose converted layers (:class:`RFACacheLayer`) keep
 only the state of causal random feature attention — ``S = Σ φ(k)vᵀ``, ``z = Σ φ(k)`` (decayed
 for gated RFA), the last ``W`` keys/values of a hybrid window and the keys/values of the ``S``
-sink tokens (``ops.decode.DecodeState``) — never the growing K/V. Layers that were not converted
+sink tokens (``ops.decode.DecodeState``; with ``RFAConfig.memory`` also the at most ``memory``
+exact memory keys/values per kv head and the ≤ ``memory_every`` keys awaiting the next refresh,
+``ops.memory.MemoryState``) — never the growing K/V. Layers that were not converted
 (``RFAConfig.layers``) keep a stock ``DynamicLayer``.
 
 How it plugs in (transformers 5.24):
@@ -45,6 +47,7 @@ from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
 from ..ops.decode import DecodeState, continue_attention
 from ..ops.masks import validate_qkv
+from ..ops.memory import MemoryState, continue_memory_attention
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ class RFACacheLayer(CacheLayerMixin):
 
     def __init__(self, **kwargs) -> None:
         super().__init__()
-        self.state: DecodeState | None = None
+        self.state: DecodeState | MemoryState | None = None
         self.cumulative_length = 0
         self._pending = False
 
@@ -118,17 +121,28 @@ class RFACacheLayer(CacheLayerMixin):
             raise ValueError("RFACache holds the state of causal attention; this layer is bidirectional (is_causal=False)")
         fm = rfa.feature_map
         validate_qkv(query, key, value, causal=True)  # before a state is built from (or checked against) their shapes
+        memory = getattr(rfa, "memory", 0)
         if self.state is None:
             b, hkv, _, d = key.shape
             ct = torch.float64 if query.dtype == torch.float64 else torch.float32
-            self.state = DecodeState.empty(
-                b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, key.dtype, key.device, compute_dtype=ct,
-            )
+            if memory > 0:  # exact global memory: its own state (ops.memory), at most `memory` keys per kv head
+                self.state = MemoryState.empty(b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, memory, key.dtype, key.device, compute_dtype=ct)
+            else:
+                self.state = DecodeState.empty(
+                    b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, key.dtype, key.device, compute_dtype=ct,
+                )
         if self.state.seen + key.shape[2] != self.cumulative_length:
             raise RuntimeError(
                 f"RFACache layer out of step: state has {self.state.seen} tokens + {key.shape[2]} new, "
                 f"update counted {self.cumulative_length}"
             )
+        if memory > 0:
+            out, self.state = continue_memory_attention(
+                self.state, query, key, value, fm, attention_mask, window=rfa.window, sinks=rfa.sinks,
+                memory=memory, memory_every=rfa.memory_every, scale=scale, chunk_size=rfa.chunk_size,
+            )
+            self._pending = False
+            return out
         out, self.state = continue_attention(
             self.state, query, key, value, fm, attention_mask,
             window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend,

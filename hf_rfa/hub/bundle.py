@@ -56,6 +56,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.hybrid",
     "hf_rfa.ops.linear",
     "hf_rfa.ops.masks",
+    "hf_rfa.ops.memory",
     "hf_rfa.ops.partial",
     "hf_rfa.ops.recompute",
     "hf_rfa.ops.recurrent",

@@ -14,6 +14,7 @@
 - ``kernels``: optional ``torch.compile`` of inner functions (off by default)
 - ``recurrent``: the one-step form with an explicit state (decoding, prefix folding)
 - ``hybrid``: exact softmax over a local window and attention sinks
+- ``memory``: a bounded exact global memory (``memory=M``): prefill and cached continuation
 - ``partial``: log-space partial results merged under one normaliser
 - ``attention``: ``random_feature_attention``, the public entry point
 """

@@ -18,6 +18,7 @@ from .fused import causal_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
+from .memory import check_memory_args, memory_attention
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
 
@@ -41,6 +42,8 @@ def random_feature_attention(
     chunk_size: int = 64,
     checkpoint_blocks: bool = True,
     backend: str = "auto",
+    memory: int = 0,
+    memory_every: int = 64,
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -64,6 +67,9 @@ def random_feature_attention(
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
             ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
+        memory, memory_every: causal only: at most ``memory`` older keys per kv head answered
+            exactly, re-chosen at multiples of ``memory_every`` (:mod:`hf_rfa.ops.memory`, which
+            runs its own PyTorch form whatever the backend). 0: off.
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
@@ -82,6 +88,7 @@ def random_feature_attention(
     window, sinks = check_int("window", window), check_int("sinks", sinks, 0, MAX_SINKS)
     check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
     scale = check_scale(scale)
+    memory, memory_every = check_memory_args(memory, memory_every, causal, feature_map)
     if not causal and window > 0 and nq != nk:
         raise ValueError(f"a bidirectional window needs Nq == Nk, got Nq={nq}, Nk={nk}")
     null = getattr(feature_map, "null", False)
@@ -98,6 +105,9 @@ def random_feature_attention(
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
+    if memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
+        out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native")
+        return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
         out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native")
     if poison is not None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .masks import NEG, key_mask_bool, no_autocast, sink_mask, validate_qkv
+from .memory import value_norm
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap
@@ -80,6 +81,8 @@ def quadratic_kernel_attention(
     window: int = 0,
     sinks: int = 0,
     scale: float | None = None,
+    memory: int = 0,
+    memory_every: int = 64,
 ) -> torch.Tensor:
     """The quadratic twin of :func:`hf_rfa.random_feature_attention`.
 
@@ -87,6 +90,9 @@ def quadratic_kernel_attention(
     or among the first ``sinks`` real tokens, ``φ(q_t)·φ(k_s)`` (times the gate's decay, causal
     gated maps only) for all other visible keys, and normalises all of it by one row sum
     (floored at ``feature_map.eps`` relative to the row's log-offset). Returns ``[B, H, Nq, Dv]``.
+
+    ``memory > 0`` (causal only): the keys of :func:`memory_membership` are exact too (and so not
+    in the feature part).
     """
     b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
     scale = d**-0.5 if scale is None else scale
@@ -122,6 +128,10 @@ def quadratic_kernel_attention(
         visible = visible & km.view(b, 1, 1, nk)
     if sinks > 0:
         exact = exact | sink_mask(km, b, nk, sinks, q.device).view(b, 1, 1, nk)
+    if memory > 0:
+        if not causal:
+            raise ValueError("memory > 0 needs causal attention (the exact memory is chosen over the past)")
+        exact = exact | _expand_kv(memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq), g)
     exact = exact & visible
     feat = visible & ~exact & (not null)
     scores = (qs @ _expand_kv(ks, g).transpose(-1, -2))
@@ -132,3 +142,43 @@ def quadratic_kernel_attention(
     w = w_exact + w_feat
     den = w.sum(-1, keepdim=True).clamp_min(feature_map.eps)
     return ((w @ _expand_kv(v.to(ct), g)) / den).to(q.dtype)
+
+
+def memory_membership(
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    window: int,
+    sinks: int,
+    memory: int,
+    memory_every: int,
+    nq: int | None = None,
+) -> torch.Tensor:
+    """Which keys each causal query answers from the exact memory: ``[B, Hkv, Nq, Nk]`` bool.
+
+    The brute-force definition (the fast path, :mod:`hf_rfa.ops.memory`, keeps it incrementally):
+    query t (position ``Nk − Nq + i``) uses the memory chosen at ``r = (t // memory_every) ·
+    memory_every``: the ``memory`` keys with the largest ``‖v‖`` (ties: the older key) among the
+    keys ``s ≤ r − window`` that are real (``attention_mask``) and not sinks — the keys older than
+    the window of query r. v ``[B, Hkv, Nk, Dv]``. Chosen from scratch for every r.
+    """
+    b, hkv, nk, _ = v.shape
+    nq = nk if nq is None else nq
+    dev = v.device
+    km = key_mask_bool(attention_mask, b, nk, dev)
+    eligible = torch.ones(b, nk, dtype=torch.bool, device=dev) if km is None else km.clone()
+    if sinks > 0:
+        eligible &= ~sink_mask(km, b, nk, sinks, dev)
+    norm = value_norm(v)  # [B,Hkv,Nk]
+    s = torch.arange(nk, device=dev)
+    out = torch.zeros(b, hkv, nq, nk, dtype=torch.bool, device=dev)
+    t = torch.arange(nk - nq, nk, device=dev)
+    refresh = (t // memory_every) * memory_every
+    for r in refresh.unique().tolist():
+        cand = (eligible & (s <= r - window).view(1, nk)).view(b, 1, nk).expand(b, hkv, nk)
+        key = torch.where(cand, norm, torch.full_like(norm, float("-inf")))
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # ties: lower position first
+        rank = torch.empty_like(order).scatter_(-1, order, s.expand_as(order))
+        chosen = cand & (rank < memory)  # [B,Hkv,Nk]
+        rows = refresh == r
+        out[:, :, rows] = chosen.unsqueeze(2).expand(b, hkv, int(rows.sum()), nk)
+    return out

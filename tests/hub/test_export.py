@@ -82,6 +82,7 @@ CASES = {
     "llama_gqa_redraw3": ("llama", "lm", dict(feature_map="favor+", num_features=16, window=4, sinks=2), 3, False, "AutoModelForCausalLM"),
     "gpt2_hedgehog_window": ("gpt2", "lm", dict(feature_map="hedgehog", num_features=8, window=3), None, True, "AutoModelForCausalLM"),
     "bert_positive_redraw3": ("bert", "base", dict(feature_map="positive", num_features=16, window=2, sinks=1), 3, False, "AutoModel"),
+    "llama_favor_memory": ("llama", "lm", dict(feature_map="favor+", num_features=16, window=4, sinks=2, memory=3, memory_every=4), None, False, "AutoModelForCausalLM"),
     "llama_cls_rfa_gate": ("llama", "cls", dict(feature_map="rfa", num_features=8, gate=True, sinks=1), None, True, "AutoModelForSequenceClassification"),
 }
 
@@ -194,7 +195,7 @@ def test_remote_load_warns_about_no_missing_kernel_source(remote):
 
 def test_remote_generate_uses_the_constant_memory_cache(remote):
     models, inputs, results, _ = remote
-    for name in ("llama_gqa_favor_window_sinks", "gpt2_hedgehog_window"):
+    for name in ("llama_gqa_favor_window_sinks", "gpt2_hedgehog_window", "llama_favor_memory"):
         assert results[name]["cache"] == "RFACache", results[name]
         ids = inputs[name][0][:1]
         with torch.no_grad():

@@ -130,7 +130,7 @@ def rfa_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 def rfa_output(rfa: nn.Module, cap: Captured, checkpoint_blocks: bool | None = None) -> torch.Tensor:
     """The RFA output of one layer on captured inputs, ``[B, H, N, Dv]``, by the layer's op
-    (:func:`hf_rfa.random_feature_attention` with the layer's window, sinks, chunk size, backend).
+    (:func:`hf_rfa.random_feature_attention` with the layer's window, sinks, memory, chunk size, backend).
 
     One rule for every recipe: the op, never its quadratic twin (``quadratic_kernel_attention``
     is the tests' oracle). With autograd the op runs its autograd form — with the layer's
@@ -146,6 +146,7 @@ def rfa_output(rfa: nn.Module, cap: Captured, checkpoint_blocks: bool | None = N
         cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask, window=rfa.window,
         sinks=rfa.sinks, scale=cap.scale, chunk_size=rfa.chunk_size, backend=backend,
         checkpoint_blocks=rfa.checkpoint_blocks if checkpoint_blocks is None else checkpoint_blocks,
+        memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64),
     )
 
 

@@ -113,8 +113,9 @@ def window_only_baseline(s: State) -> None:
     window, sinks = cfg.rfa.window, cfg.rfa.sinks
     if not (cfg.window_only_baseline and (window or sinks) and cfg.rfa.feature_map != "none"):
         return
-    convert(s.model, RFAConfig(feature_map="none", window=window, sinks=sinks, seed=cfg.seed))
-    label = f"window-only: window {window} + sinks {sinks}, no features"
+    memory = cfg.rfa.memory  # the baseline keeps any exact memory of the recipe (issue 13)
+    convert(s.model, RFAConfig(feature_map="none", window=window, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
+    label = f"window-only: window {window} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features"
     evaluate(s, f"{label}, untrained")
     s.baseline = f"{label}, untrained"
     if cfg.lora_tokens <= 0:
@@ -135,6 +136,8 @@ def convert_target(s: State) -> None:
     convert(s.model, s.target)
     window, sinks = s.target.window, s.target.sinks
     s.label = f"{s.target.feature_map} m={s.target.num_features}" + (f" + window {window} + sinks {sinks}" if window or sinks else ", pure")
+    if s.target.memory:
+        s.label += f" + memory {s.target.memory}"
 
 
 def _trainable(s: State) -> bool:

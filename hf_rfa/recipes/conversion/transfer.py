@@ -87,6 +87,7 @@ def transfer_output(rfa: nn.Module, cap: Captured, twin_max_keys: int = TWIN_MAX
         return quadratic_kernel_attention(
             cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask,
             window=rfa.window, sinks=rfa.sinks, scale=cap.scale,
+            memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64),
         )
     return rfa_output(rfa, cap, checkpoint_blocks=False)
 

@@ -1,0 +1,455 @@
+"""A bounded exact global memory for causal attention (``RFAConfig.memory``, issue 13).
+
+Besides the exact window (the last W keys) and the sinks (the first S real tokens), each kv head
+keeps at most ``memory`` = M older keys *exactly*: they get ``exp(q·k·scale)`` weights under the
+same normaliser, and the feature part (or, with ``feature_map="none"``, nothing) answers only
+the keys outside window, sinks and memory.
+
+Definition (its brute-force twin is :func:`hf_rfa.ops.reference.memory_membership`): the memory
+is re-chosen at every position r that is a multiple of E = ``memory_every``, *before* query r is
+answered, and queries ``r … r+E−1`` use it. It is the M keys with the largest ``‖v‖`` (compared
+at a resolution of 0.07 %, :func:`value_norm`; ties: the older key) among the real, non-sink keys ``s ≤ r − W`` — those older than the window of query
+r (which is ``(r − W, r]``; with W = 0 every key ``s ≤ r``). Keys in the memory are exact; keys
+that left the window but are not in the memory are feature keys.
+
+Incremental form (this module), with no subtraction from the feature state: the candidates at r
+are the previous memory plus the keys ``r − E − W < s ≤ r − W`` (a top-M of a union is the top-M
+of the old top-M and the new keys), so
+
+- a key that leaves the window between refreshes (``r − W < s ≤ t − W`` for query t of the period
+  starting at r) is a *pending* feature key until the next refresh (queries read
+  pending keys directly: a causal ``[C, ≤E]`` product per query chunk, like the intra-chunk part
+  of the chunkwise form);
+- at the refresh it either enters the memory or is folded into the linear feature state ``S, z``
+  for good (a key that is not chosen at its first refresh never will be); a memory key that is
+  displaced is folded at that refresh (it never comes back).
+
+So the feature state only ever *adds* keys (``recurrent.fold``): each query's feature part is
+exactly the sum over its non-memory keys, without cancellation. One implementation,
+:func:`_run`, serves both prefill (:func:`memory_attention`, called by
+``random_feature_attention(memory=M)``) and cached decoding (:func:`continue_memory_attention`,
+used by ``RFACache``): a call processes its queries period by period (refresh boundaries) and
+within a period in chunks of ``chunk_size`` queries.
+
+State bound per (batch row, kv head): M memory keys/values (+ position, norm, flag), at most
+``W + E`` buffered keys/values (the window and the pending keys), S sinks and the ``F × Dv``
+feature state — independent of the context length (:meth:`MemoryState.nbytes`).
+
+Scope: causal only; not with gated maps (a decayed state cannot take a key in at a later fold
+time with the weight the full form gives); refresh positions are absolute positions (padding
+included), like the window, so a left-padded row refreshes at other token counts than the same
+row unpadded. The selection is a non-differentiable choice of indices; gradients flow through
+q, k, v of the chosen keys. Runs plain PyTorch (autograd and inference alike) whatever the
+backend; ``checkpoint_blocks`` does not apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from .backends import native
+from .decode import DecodeState, _exact_part, _join_sinks
+from .hybrid import exact_local
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
+from .partial import Partial, finalize, merge
+from .recurrent import LinearState, fold
+
+#: largest ``memory`` (keys per kv head)
+MAX_MEMORY = 65536
+
+
+#: the selection compares ``log2 ‖v‖`` rounded to multiples of 2**-SCORE_BITS (≈ 0.07 % for 10)
+SCORE_BITS = 10
+
+
+def value_norm(v: torch.Tensor) -> torch.Tensor:
+    """The selection score of values ``[..., N, Dv]``: ``log2 ‖v‖`` rounded to a multiple of
+    ``2**-SCORE_BITS`` → ``[..., N]`` float32 (detached; finite: zero values score ≈ −100).
+
+    Why rounded: a repeated token has the same value vector, but the prefill and cached decoding
+    compute it with matmuls of other shapes, so the two copies can differ in the last bit; an
+    exact-float ranking would then break their tie one way in one form and the other way in the
+    other (decoding ≠ full forward). Rounded scores tie, and ties go to the older key in both
+    (a flip needs a value within float rounding of a rounding boundary: ~1e-4 per key)."""
+    n = torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1).clamp_min(1e-30)
+    return (torch.round(torch.log2(n) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
+
+
+def check_memory_args(memory, memory_every, causal: bool, feature_map) -> tuple[int, int]:
+    """``(memory, memory_every)`` checked (ValueError naming the argument)."""
+    memory = check_int("memory", memory, 0, MAX_MEMORY)
+    memory_every = check_int("memory_every", memory_every, 1, MAX_CHUNK)
+    if memory > 0 and not causal:
+        raise ValueError("memory > 0 needs causal attention: the exact memory is chosen over the past (use memory=0 for bidirectional layers)")
+    if memory > 0 and getattr(feature_map, "has_gate", False):
+        raise ValueError("memory > 0 does not support gated feature maps (gate=True)")
+    return memory, memory_every
+
+
+@dataclass
+class MemoryState:
+    """The past of one causal layer with an exact memory (B rows, Hkv kv heads, M slots).
+
+    base:     :class:`~hf_rfa.ops.decode.DecodeState` whose ``win_*`` hold the *buffer*: every key
+              from the oldest pending one to the last (positions ``[seen − Lb, seen)``, Lb ≤ W + E);
+              ``linear`` holds every folded key; sinks as there; ``win_decay`` is unused (empty).
+    mem_k:    ``[B, Hkv, M, D]`` memory keys (input dtype); ``mem_v [B, Hkv, M, Dv]`` their values.
+    mem_pos:  ``[B, Hkv, M]`` long, their positions; ``mem_norm [B, Hkv, M]`` their score
+              (:func:`value_norm`).
+    mem_ok:   ``[B, Hkv, M]`` bool, the slot holds a key.
+    """
+
+    base: DecodeState
+    mem_k: torch.Tensor
+    mem_v: torch.Tensor
+    mem_pos: torch.Tensor
+    mem_norm: torch.Tensor
+    mem_ok: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        value_dim: int,
+        feature_dim: int,
+        sinks: int,
+        memory: int,
+        dtype: torch.dtype,
+        device=None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> "MemoryState":
+        """State before the first token (``memory`` empty slots)."""
+        b, h, m = batch, kv_heads, memory
+        base = DecodeState.empty(b, h, head_dim, value_dim, feature_dim, sinks, dtype, device, compute_dtype)
+        return cls(
+            base=base,
+            mem_k=torch.zeros(b, h, m, head_dim, dtype=dtype, device=device),
+            mem_v=torch.zeros(b, h, m, value_dim, dtype=dtype, device=device),
+            mem_pos=torch.zeros(b, h, m, dtype=torch.long, device=device),
+            mem_norm=torch.zeros(b, h, m, dtype=compute_dtype, device=device),
+            mem_ok=torch.zeros(b, h, m, dtype=torch.bool, device=device),
+        )
+
+    @property
+    def seen(self) -> int:
+        return self.base.seen
+
+    @property
+    def memory(self) -> int:
+        return self.mem_k.shape[2]
+
+    def _own(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "base"}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state by name (the base's under their own names)."""
+        return {**self.base.tensors(), **self._own()}
+
+    def map_batch(self, fn) -> "MemoryState":
+        """Apply ``fn`` to the batch axis (dim 0) of every tensor: reorder, select, repeat."""
+        return MemoryState(base=self.base.map_batch(fn), **{k: fn(t) for k, t in self._own().items()})
+
+    def memory_nbytes(self) -> int:
+        """Bytes of the memory slots alone (keys, values, positions, norms, flags)."""
+        return sum(t.numel() * t.element_size() for t in self._own().values())
+
+    def nbytes(self) -> int:
+        """Bytes held by the state, memory included (bounded independently of the context)."""
+        return self.base.nbytes() + self.memory_nbytes()
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x ``[B, Hkv, K, ·]`` or ``[B, Hkv, K]`` at idx ``[B, Hkv, M]`` along K."""
+    if x.dim() == 3:
+        return torch.gather(x, 2, idx)
+    return torch.gather(x, 2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+def _select(mem: dict[str, torch.Tensor], cand: dict[str, torch.Tensor], memory: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Top-``memory`` of the memory slots and new candidates by ``‖v‖`` (ties: older position).
+
+    ``mem``/``cand``: dicts with ``k [B,Hkv,K,D]``, ``v``, ``pos [B,Hkv,K]``, ``norm``, ``ok``
+    (bool). Returns the new memory (same keys, M slots) and ``fold [B, Hkv, M + Kc]`` bool: the
+    valid entries of ``cat(mem, cand)`` that were not chosen (they go to the feature state)."""
+    both = {name: torch.cat([mem[name], cand[name]], dim=2) for name in mem}
+    ok = both["ok"]
+    by_pos = torch.sort(both["pos"], dim=-1, stable=True).indices
+    score = torch.where(ok, both["norm"], torch.full_like(both["norm"], float("-inf")))
+    by_norm = torch.sort(torch.gather(score, 2, by_pos), dim=-1, descending=True, stable=True).indices
+    top = torch.gather(by_pos, 2, by_norm)[..., :memory]  # [B,Hkv,M]
+    new = {name: _gather(x, top) for name, x in both.items()}
+    chosen = torch.zeros_like(ok).scatter_(2, top, new["ok"])
+    return new, ok & ~chosen
+
+
+def _weights(scores_or_logs: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exp(x − r) with masked entries 0, r)`` for logs ``x [..., K]`` and mask ``ok`` (r: the
+    row max over ``ok``, detached; NEG where none)."""
+    x = torch.where(ok, scores_or_logs, torch.full_like(scores_or_logs, NEG))
+    r = x.amax(-1).detach()
+    w = torch.exp((x - r.unsqueeze(-1)).clamp(exp_floor(x.dtype), 0.0)).masked_fill(~ok, 0.0)
+    return w, r
+
+
+def _memory_part(xq: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, ok: torch.Tensor) -> Partial:
+    """Exact softmax terms of the memory: xq ``[B, Hkv, G, C, D]``, mk ``[B, Hkv, M, D]`` (both
+    scaled by √scale), mv ``[B, Hkv, M, Dv]``, ok ``[B, Hkv, M]``."""
+    b, hkv, g, c, d = xq.shape
+    scores = xq.reshape(b, hkv, g * c, d) @ mk.transpose(-1, -2)  # [B,Hkv,G·C,M] (no broadcast copies)
+    p, r = _weights(scores, ok[:, :, None, :])
+    return Partial((p @ mv).view(b, hkv, g, c, -1), p.sum(-1).view(b, hkv, g, c), r.view(b, hkv, g, c))
+
+
+def _read(linear: LinearState, qf: torch.Tensor, lq: torch.Tensor | None) -> Partial:
+    """:func:`hf_rfa.ops.recurrent.read` without broadcasting the state over the G query heads:
+    qf ``[B, Hkv, G, C, F]``."""
+    b, hkv, g, c, f = qf.shape
+    q2 = qf.reshape(b, hkv, g * c, f)
+    num = (q2 @ linear.S).view(b, hkv, g, c, -1)
+    den = (q2 @ linear.z.unsqueeze(-1)).view(b, hkv, g, c)
+    ls = linear.ref[:, :, None, None].expand(b, hkv, g, c)
+    return Partial(num, den, ls if lq is None else ls + lq)
+
+
+def _pending_part(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Tensor, lk: torch.Tensor | None, vk: torch.Tensor, vis: torch.Tensor) -> Partial:
+    """Feature terms of the pending keys: qf ``[B, Hkv, G, C, F]``, lq ``[B, Hkv, G, C]`` or None,
+    kf ``[B, Hkv, P, F]``, lk ``[B, Hkv, P]`` or None, vk ``[B, Hkv, P, Dv]``, vis ``[B, C, P]``
+    (key p visible to query c). Streaming-safe: each row's scale is the max over its own keys."""
+    b, hkv, g, c, f = qf.shape
+    p = kf.shape[2]
+    dot = (qf.reshape(b, hkv, g * c, f) @ kf.transpose(-1, -2)).view(b, hkv, g, c, p)
+    ok = vis[:, None]  # [B,1,C,P]
+    if lk is not None:
+        w, m = _weights(lk.unsqueeze(-2).expand(b, hkv, c, p), ok)  # [B,Hkv,C,P], [B,Hkv,C]
+        ls = m.unsqueeze(2).expand(b, hkv, g, c)
+    else:
+        w = ok.to(dot.dtype).expand(b, hkv, c, p)
+        ls = dot.new_zeros(b, hkv, g, c)
+    a = dot * w.unsqueeze(2)
+    if lq is not None:
+        ls = ls + lq
+    return Partial((a.view(b, hkv, g * c, p) @ vk).view(b, hkv, g, c, -1), a.sum(-1), ls)
+
+
+def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
+    """``(phi, log_scale)`` of scaled queries ``[B, H, C, D]`` (grouped ``[B, Hkv, G, C, F]``) or
+    keys ``[B, Hkv, P, D]``."""
+    f = feature_map.forward_queries(x) if queries else feature_map.forward_keys(x)
+    if not queries:
+        return f.phi, f.log_scale
+    b, h, c = f.phi.shape[:3]
+    return f.phi.reshape(b, hkv, h // hkv, c, -1), (f.log_scale.reshape(b, hkv, h // hkv, c) if f.log_scale is not None else None)
+
+
+def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False) -> tuple[torch.Tensor, MemoryState]:
+    """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
+    bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state).
+    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule)."""
+    base = state.base
+    b, h, n, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    g = h // hkv
+    ct = base.linear.S.dtype
+    root = scale**0.5
+    dev = q.device
+    memory = state.memory
+    null = getattr(feature_map, "null", False)
+    p0, lb = base.seen, base.win_k.shape[2]
+    pos0 = p0 - lb  # absolute position of local index 0 (the oldest pending key)
+
+    sink_k, sink_v, sink_pos, sink_exists, new_sink = _join_sinks(base, k, v, km, sinks, p0)
+    lk_raw = torch.cat([base.win_k, k.to(base.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
+    lv_raw = torch.cat([base.win_v, v.to(base.win_v.dtype)], dim=2)
+    real = torch.cat([base.win_real, km], dim=1)  # [B,L]
+    feat = torch.cat([base.win_feat, km & ~new_sink], dim=1)  # real, not a sink: memory candidate / feature key
+    xq = q.to(ct) * root
+    xk = lk_raw.to(ct) * root
+    vv = lv_raw.to(ct)
+    norms = value_norm(lv_raw).to(ct)  # [B,Hkv,L]
+    xqg = xq.reshape(b, hkv, g, n, d)
+
+    exact = None
+    if window > 0 or sinks > 0:  # window band + sinks: independent of the memory
+        if p0 == 0 and native_band:  # a prefill: the band of the op without memory (same terms)
+            spos, sok = sink_positions(km, b, n, sinks, dev) if sinks > 0 else (None, None)
+            num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
+            exact = Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n))
+        elif p0 == 0:
+            exact = exact_local(xqg, xk, vv, km, window, sinks, True, chunk_size)
+        else:
+            xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
+            exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
+
+    mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
+    linear = base.linear
+    lo = 0  # local index of the oldest key that is not yet a candidate (the buffer's start)
+    parts: list[Partial] = []
+    a = p0
+    while a < p0 + n:
+        end = min(p0 + n, (a // memory_every + 1) * memory_every)  # this refresh period's queries: [a, end)
+        if a % memory_every == 0 and a - window - pos0 + 1 > lo:  # refresh: keys [lo, a − W] are new candidates
+            hi = a - window - pos0 + 1
+            cand = {
+                "k": lk_raw[:, :, lo:hi], "v": lv_raw[:, :, lo:hi],
+                "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),
+                "norm": norms[:, :, lo:hi], "ok": feat[:, None, lo:hi].expand(b, hkv, hi - lo),
+            }
+            folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in ("k", "v")}
+            mem, out_mask = _select(mem, cand, memory)
+            if not null:  # the keys not chosen enter the feature state for good
+                kf, lkf = _features(feature_map, folded["k"].to(ct) * root, False, hkv)
+                kf = kf * out_mask.unsqueeze(-1)
+                if lkf is not None:
+                    lkf = torch.where(out_mask, lkf, torch.full_like(lkf, NEG))
+                linear = fold(linear, kf, lkf, folded["v"].to(ct))
+            lo = hi
+        mk, mv = mem["k"].to(ct) * root, mem["v"].to(ct)
+        for c0 in range(a, end, chunk_size):
+            c1 = min(end, c0 + chunk_size)
+            qi = slice(c0 - p0, c1 - p0)
+            part = _memory_part(xqg[:, :, :, qi], mk, mv, mem["ok"])
+            if not null:
+                qf, lq = _features(feature_map, xq[:, :, qi], True, hkv)
+                part = merge(part, _read(linear, qf, lq))
+                top = c1 - window - pos0  # pending keys of this chunk: local [lo, top), s <= t − W
+                if top > lo:
+                    kf, lkf = _features(feature_map, xk[:, :, lo:top], False, hkv)
+                    t = torch.arange(c0, c1, device=dev).view(-1, 1)
+                    s = torch.arange(pos0 + lo, pos0 + top, device=dev).view(1, -1)
+                    vis = (s <= t - window).unsqueeze(0) & feat[:, None, lo:top]  # [B,C,P]
+                    part = merge(part, _pending_part(qf, lq, kf, lkf, vv[:, :, lo:top], vis))
+            parts.append(part)
+        a = end
+    total = Partial(torch.cat([p.num for p in parts], dim=-2), torch.cat([p.den for p in parts], dim=-1), torch.cat([p.log_scale for p in parts], dim=-1))
+    if exact is not None:
+        total = merge(exact, total)
+    out = finalize(total, feature_map.eps).reshape(b, h, n, dv)
+
+    new_base = DecodeState(
+        linear=linear,
+        win_k=lk_raw[:, :, lo:],
+        win_v=lv_raw[:, :, lo:],
+        win_real=real[:, lo:],
+        win_feat=feat[:, lo:],
+        win_decay=base.win_decay,
+        sink_k=sink_k,
+        sink_v=sink_v,
+        sink_pos=sink_pos,
+        sink_exists=sink_exists,
+        real_count=base.real_count + km.long().sum(-1),
+        nonfinite=base.nonfinite,
+        seen=p0 + n,
+    )
+    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"])
+
+
+def memory_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    key_mask: torch.Tensor | None,
+    window: int,
+    sinks: int,
+    memory: int,
+    memory_every: int,
+    scale: float,
+    chunk_size: int = 64,
+    native_band: bool = False,
+) -> torch.Tensor:
+    """Causal hybrid attention with an exact memory over a whole sequence (the prefill form;
+    ``random_feature_attention(memory=M)`` calls it on checked, finite inputs; ``native_band``:
+    the exact window/sink part runs the compiled CPU kernel, as the op without memory does).
+
+    q ``[B, H, Nq, D]`` (the last Nq of the Nk positions), k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk,
+    Dv]``, key_mask ``[B, Nk]`` bool or None → ``[B, H, Nq, Dv]`` in q's dtype.
+    """
+    b, h, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if nq < nk:  # queries are the last Nq positions
+        q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
+    km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct)
+    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band)
+    return to_output_dtype(out[:, :, nk - nq :], q.dtype)
+
+
+def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size):
+    """Arguments of :func:`continue_memory_attention` against each other and the state
+    (ValueError naming the argument); returns ``(B, H, n, D, Hkv, Dv)``."""
+    if not isinstance(state, MemoryState):
+        raise ValueError(f"state must be a MemoryState (MemoryState.empty before the first token), got {type(state).__name__}")
+    b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)
+    if nk != n:
+        raise ValueError(f"k and v must hold the n={n} new tokens of q, got {nk}")
+    check_feature_map(feature_map, d)
+    check_int("window", window)
+    check_int("sinks", sinks, 0, MAX_SINKS)
+    check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
+    check_memory_args(memory, memory_every, True, feature_map)
+    check_scale(scale)
+    if memory < 1:
+        raise ValueError(f"memory must be >= 1 for a MemoryState (memory=0: ops.decode.continue_attention), got {memory}")
+    if getattr(feature_map, "null", False) and window == 0 and sinks == 0:
+        raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
+    sb, shkv, fdim, sdv = state.base.linear.S.shape
+    if (sb, shkv) != (b, hkv):
+        raise ValueError(f"state has batch {sb} and {shkv} kv heads; q has batch {b}, k has {hkv} kv heads")
+    if state.base.win_k.shape[-1] != d or sdv != v.shape[-1]:
+        raise ValueError(f"state holds head dim D={state.base.win_k.shape[-1]} and value dim Dv={sdv}; k has D={d}, v has Dv={v.shape[-1]}")
+    if fdim != feature_map.feature_dim:
+        raise ValueError(f"state holds feature_dim={fdim} but the feature map has feature_dim={feature_map.feature_dim}")
+    if state.base.sink_k.shape[2] != sinks:
+        raise ValueError(f"state keeps {state.base.sink_k.shape[2]} sinks but sinks={sinks}")
+    if state.memory != memory:
+        raise ValueError(f"state keeps memory={state.memory} slots but memory={memory}")
+    if state.base.linear.S.device != q.device:
+        raise ValueError(f"state is on {state.base.linear.S.device} but q is on {q.device}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, n)):
+        raise ValueError(f"attention_mask must be [B, n] = [{b}, {n}] for the new tokens, got {tuple(getattr(attention_mask, 'shape', ()))}")
+    return b, h, n, d, hkv, v.shape[-1]
+
+
+@no_autocast
+def continue_memory_attention(
+    state: MemoryState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    attention_mask: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    memory: int = 1,
+    memory_every: int = 64,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, MemoryState]:
+    """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
+    :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
+    before any computation, padded keys change nothing, non-finite inputs poison the rows softmax
+    would).
+
+    q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]``, attention_mask ``[B, n]`` →
+    ``(out [B, H, n, Dv]`` in q's dtype, new state). Any split of a sequence into calls gives the
+    outputs of one :func:`memory_attention` over it (up to float rounding).
+    """
+    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size)
+    if b == 0 or n == 0:
+        return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
+    scale = d**-0.5 if scale is None else float(scale)
+    km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
+    q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
+    out, new = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size)
+    new = replace(new, base=replace(new.base, nonfinite=nonfinite))
+    if poison is not None:
+        out = out.masked_fill(poison[..., None], float("nan"))
+    return to_output_dtype(out, q.dtype), new
+
+
+__all__ = ["MAX_MEMORY", "MemoryState", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
