@@ -41,6 +41,7 @@ p.add_argument("--ppl-tokens", type=int, default=4096)
 p.add_argument("--copy-draws", type=int, default=0)
 p.add_argument("--lora", type=int, default=0, help="LoRA tokens for both final models (0: none)")
 p.add_argument("--skip-baseline", action="store_true")
+p.add_argument("--original", action="store_true", help="also measure the unconverted model first")
 p.add_argument("--save", default="", help="save the transferred feature-map tensors here")
 p.add_argument("--out", default="experiments/issue13/transfer_budget.jsonl")
 a = p.parse_args()
@@ -76,6 +77,8 @@ def lora(m):
     return out, res.as_dict()
 
 
+if a.original:
+    measure(model, "original (softmax)")
 if not a.skip_baseline:
     base = copy.deepcopy(model)
     hf_rfa.convert(base, RFAConfig(feature_map="none", window=a.window, sinks=a.sinks))
