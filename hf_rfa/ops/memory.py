@@ -54,7 +54,7 @@ from .decode import DecodeState, _exact_part, _join_sinks
 from .hybrid import exact_local
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
-from .recurrent import LinearState, fold
+from .recurrent import LinearState, fold, read
 
 #: largest ``memory`` (keys per kv head)
 MAX_MEMORY = 65536
@@ -204,17 +204,6 @@ def _memory_part(xq: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, ok: torch
     return Partial((p @ mv).view(b, hkv, g, c, -1), p.sum(-1).view(b, hkv, g, c), r.view(b, hkv, g, c))
 
 
-def _read(linear: LinearState, qf: torch.Tensor, lq: torch.Tensor | None) -> Partial:
-    """:func:`hf_rfa.ops.recurrent.read` without broadcasting the state over the G query heads:
-    qf ``[B, Hkv, G, C, F]``."""
-    b, hkv, g, c, f = qf.shape
-    q2 = qf.reshape(b, hkv, g * c, f)
-    num = (q2 @ linear.S).view(b, hkv, g, c, -1)
-    den = (q2 @ linear.z.unsqueeze(-1)).view(b, hkv, g, c)
-    ls = linear.ref[:, :, None, None].expand(b, hkv, g, c)
-    return Partial(num, den, ls if lq is None else ls + lq)
-
-
 def _pending_part(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Tensor, lk: torch.Tensor | None, vk: torch.Tensor, vis: torch.Tensor) -> Partial:
     """Feature terms of the pending keys: qf ``[B, Hkv, G, C, F]``, lq ``[B, Hkv, G, C]`` or None,
     kf ``[B, Hkv, P, F]``, lk ``[B, Hkv, P]`` or None, vk ``[B, Hkv, P, Dv]``, vis ``[B, C, P]``
@@ -314,7 +303,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             part = _memory_part(xqg[:, :, :, qi], mk, mv, mem["ok"])
             if not null:
                 qf, lq = _features(feature_map, xq[:, :, qi], True, hkv)
-                part = merge(part, _read(linear, qf, lq))
+                part = merge(part, read(linear, qf, lq))
                 top = c1 - window - pos0  # pending keys of this chunk: local [lo, top), s <= t − W
                 if top > lo:
                     kf, lkf = _features(feature_map, xk[:, :, lo:top], False, hkv)

@@ -67,10 +67,13 @@ def fold(state: LinearState, kf: torch.Tensor, lk: torch.Tensor | None, v: torch
 
 
 def read(state: LinearState, qf: torch.Tensor, lq: torch.Tensor | None) -> Partial:
-    """Attend queries to the state: qf ``[B, Hkv, G, N, F]``, lq ``[B, Hkv, G, N]`` (or None)."""
-    num = qf @ state.S.unsqueeze(2)  # [B,Hkv,G,N,Dv]
-    den = (qf * state.z[:, :, None, None, :]).sum(-1)
-    ls = state.ref[:, :, None, None].expand(den.shape)
+    """Attend queries to the state: qf ``[B, Hkv, G, N, F]``, lq ``[B, Hkv, G, N]`` (or None).
+    The G query heads of a kv head are stacked as rows, so the state is not broadcast over them."""
+    b, hkv, g, n, f = qf.shape
+    q2 = qf.reshape(b, hkv, g * n, f)
+    num = (q2 @ state.S).view(b, hkv, g, n, -1)  # [B,Hkv,G,N,Dv]
+    den = (q2 @ state.z.unsqueeze(-1)).view(b, hkv, g, n)
+    ls = state.ref[:, :, None, None].expand(b, hkv, g, n)
     if lq is not None:
         ls = ls + lq
     return Partial(num, den, ls)
