@@ -23,6 +23,8 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "memory": (0, MAX_MEMORY),
     "memory_every": (1, MAX_CHUNK),
 }
+#: largest ``decay`` half-life (tokens)
+MAX_DECAY = 1e9
 #: largest layer index accepted in ``layers``
 _MAX_LAYER = 2**20
 
@@ -58,6 +60,10 @@ class RFAConfig:
         metadata={"help": "causal layers: exact global memory of at most this many keys per kv head (0: off), chosen at every refresh as the keys with the largest ||v|| among those older than the window (not sinks); answered by exact softmax, excluded from the feature part (hf_rfa.ops.memory)"},
     )
     memory_every: int = field(default=64, metadata={"help": "the exact memory is re-chosen at positions that are multiples of this (used with memory > 0)"})
+    decay: float = field(
+        default=0.0,
+        metadata={"help": "causal layers: half-life in tokens of an exponential decay of the feature state, S_t = g S_{t-1} + phi(k_t) v_t^T with g = 2^(-1/decay) per kv head, learned by attention transfer (0: no decay)"},
+    )
 
     def __post_init__(self) -> None:
         names = available_feature_maps()
@@ -73,6 +79,13 @@ class RFAConfig:
         check_name(self.backend)
         if self.memory > 0 and self.gate:
             raise ValueError("memory > 0 does not support gate=True (a decayed feature state cannot take memory keys back at their fold time); use memory=0 or gate=False")
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not (self.decay == 0 or 1.0 <= self.decay <= MAX_DECAY):
+            raise ValueError(f"decay must be 0 (off) or a half-life in tokens in [1, {MAX_DECAY:g}], got {self.decay!r}")
+        self.decay = float(self.decay)
+        if self.decay > 0:
+            clash = [name for name, bad in (("gate", self.gate), ("memory", self.memory > 0), ("feature_map='none'", self.feature_map == "none")) if bad]
+            if clash:
+                raise ValueError(f"decay > 0 does not combine with {', '.join(clash)} (gate=True is already a decay; the memory needs an undecayed state; 'none' has no feature state); use decay=0")
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:
@@ -82,7 +95,7 @@ class RFAConfig:
             self.layers = sorted(set(self.layers))
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
-        reserved = {"head_dim", "num_features", "seed", "num_heads", "num_kv_heads", "gate"} & set(self.feature_map_options)
+        reserved = {"head_dim", "num_features", "seed", "num_heads", "num_kv_heads", "gate", "decay"} & set(self.feature_map_options)
         if reserved:
             raise ValueError(f"feature_map_options may not set {sorted(reserved)}: use the RFAConfig fields")
 

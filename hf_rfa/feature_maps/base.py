@@ -18,6 +18,7 @@ same seed, and redraws at the same step, holds identical projections.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -149,8 +150,38 @@ class FeatureMap(nn.Module):
         return None
 
     def log_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For gated maps: ``(log g, log(1-g))`` each ``[B, Hkv, N]`` from keys ``x``."""
-        raise NotImplementedError
+        """For gated maps: ``(log g, log(1-g))`` each ``[B, Hkv, N]`` from keys ``x [B, Hkv, N, D]``:
+        the causal feature state is S_t = g_t S_{t−1} + (1−g_t) φ(k_t) v_tᵀ. Maps with a decay
+        (:meth:`enable_decay`) return ``(log γ, 0)``: S_t = γ S_{t−1} + φ(k_t) v_tᵀ."""
+        rate = getattr(self, "decay_log_rate", None)
+        if rate is None:
+            raise NotImplementedError(f"{type(self).__name__} has no gate or decay")
+        hkv = x.shape[1]
+        if rate.shape[0] not in (1, hkv):
+            raise ValueError(f"feature map has a decay for {rate.shape[0]} kv heads but the keys have {hkv} heads")
+        logg = -rate.to(x.dtype).exp().view(1, -1, 1).expand(x.shape[:-1])
+        return logg, torch.zeros_like(logg)
+
+    def enable_decay(self, half_life: float) -> None:
+        """Give the causal feature state an exponential decay S_t = γ S_{t−1} + φ(k_t) v_tᵀ (no
+        (1−γ) factor, so the features' mass next to the window is unchanged), one learned γ per kv
+        head, initialised to ``2^(−1/half_life)``; stored as ``decay_log_rate = log(−log γ)``
+        ``[Hkv]`` (a trainable parameter: attention transfer fits it). Bidirectional attention
+        ignores it (:func:`hf_rfa.convert` refuses bidirectional layers with a decay)."""
+        if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life >= 1.0 or math.isinf(half_life):
+            raise ValueError(f"decay half-life must be a finite number of tokens >= 1, got {half_life!r}")
+        if self.null:
+            raise ValueError("the 'none' map has no feature state to decay")
+        if self.has_gate:
+            raise ValueError(f"{type(self).__name__} already has a gate (a learned decay); a second decay is not supported")
+        hk = self.num_kv_heads or 1
+        self.decay_log_rate = nn.Parameter(torch.full((hk,), math.log(math.log(2.0) / float(half_life))))
+        self.has_gate = True
+
+    def decay_half_life(self) -> torch.Tensor | None:
+        """Current half-life in tokens per kv head ``[Hkv]`` (None without a decay)."""
+        rate = getattr(self, "decay_log_rate", None)
+        return None if rate is None else (math.log(2.0) / rate.detach().exp())
 
     def forward(self, x: torch.Tensor, is_query: bool = True) -> Features:
         return self.forward_queries(x) if is_query else self.forward_keys(x)

@@ -99,7 +99,9 @@ class RandomFeatureAttentionMap(_TrigFeatures):
     forward_keys = _features
 
     def log_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.has_gate:
+        if not hasattr(self, "gate_weight"):
+            if getattr(self, "decay_log_rate", None) is not None:
+                return super().log_gate(x)
             raise ValueError("this rfa map was built with gate=False")
         x = upcast(x)
         w = per_head(self.gate_weight.to(x.dtype), x.shape[1])  # [1,H,1,D]

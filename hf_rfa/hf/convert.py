@@ -125,6 +125,8 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
         config.feature_map, head_dim=head_dim, num_features=config.num_features,
         seed=derive_seed(config.seed, "layer", layer_idx), **options,
     )
+    if config.decay > 0:
+        fm.enable_decay(config.decay)
     return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend,
                         memory=config.memory, memory_every=config.memory_every)
 
@@ -167,10 +169,12 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
             f"{type(model).__name__}: layer {idx} ({name}) uses {reason}, which hf_rfa's attention does not "
             f"reproduce ({len(refused)} such layer(s)); refusing to convert rather than change the model's attention silently"
         )
-    if config.memory > 0:
+    if config.memory > 0 or config.decay > 0:
         bidir = [idx for _, module, idx in modules if config.converts_layer(idx) and getattr(module, "is_causal", True) is False]
-        if bidir:
+        if bidir and config.memory > 0:
             raise ValueError(f"memory={config.memory}: the exact memory needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use memory=0)")
+        if bidir:
+            raise ValueError(f"decay={config.decay:g}: a decay of the feature state needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use decay=0)")
     for _name, module in model.named_modules():  # cross-attention and unselected layers: exact on purpose
         if _uses_attention_interface(module):
             module._hf_rfa_converted = True

@@ -138,6 +138,8 @@ def convert_target(s: State) -> None:
     s.label = f"{s.target.feature_map} m={s.target.num_features}" + (f" + window {window} + sinks {sinks}" if window or sinks else ", pure")
     if s.target.memory:
         s.label += f" + memory {s.target.memory}"
+    if s.target.decay:
+        s.label += f" + decay {s.target.decay:g}"
 
 
 def _trainable(s: State) -> bool:

@@ -1,0 +1,76 @@
+"""Converted models with a decayed feature state (``RFAConfig(decay=H)``): cached decoding with
+``RFACache`` equals one full forward, generate() equals recomputation, save/load keeps the learned
+decay, attention transfer fits it, and bidirectional models are refused."""
+
+import pytest
+import torch
+
+import hf_rfa
+from hf_rfa.recipes import evaluation
+from hf_rfa.recipes.conversion import transfer
+from tiny_models import VOCAB, tiny_model
+from tolerances import DECODE_LOGITS
+
+SETTINGS = {
+    "favor+": dict(feature_map="favor+", num_features=32, window=4, sinks=2, decay=3.0, chunk_size=8),
+    "hedgehog": dict(feature_map="hedgehog", num_features=16, window=3, sinks=1, decay=5.0, chunk_size=4, feature_map_options={"hybrid_mix": True}),
+}
+
+
+def _batch(n=26, pad=5):
+    ids = torch.randint(2, VOCAB, (2, n), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_cached_decoding_matches_full_forward(family, setting):
+    model = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**SETTINGS[setting]))
+    ids, mask = _batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        plain = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**{**SETTINGS[setting], "decay": 0.0}))(ids, attention_mask=mask).logits
+        cache = hf_rfa.RFACache(model)
+        outs, t = [], 0
+        for step in (7, 5) + (1,) * (ids.shape[1] - 12):
+            outs.append(model(ids[:, t:t + step], attention_mask=mask[:, :t + step], cache=cache, use_cache=True).logits)
+            t += step
+    assert (torch.cat(outs, 1) - full)[mask.bool()].abs().max().item() <= DECODE_LOGITS
+    assert (plain - full)[mask.bool()].abs().max().item() > 10 * DECODE_LOGITS  # the decay is used
+
+
+def test_generate_matches_recompute_and_save_load_keeps_learned_decay(tmp_path):
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["favor+"]))
+    fm = model.model.layers[1].self_attn.rfa.feature_map
+    with torch.no_grad():  # as if trained: no longer the configured half-life
+        fm.decay_log_rate.copy_(torch.tensor([0.3, -1.2]))
+    ids, mask = _batch(n=14, pad=3)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, use_cache=False)
+        assert isinstance(out.cache, hf_rfa.RFACache)
+        assert torch.equal(out.sequences, ref)
+        beams = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+        assert torch.equal(beams, model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False, use_cache=False))
+        model.save_pretrained(tmp_path)
+        again = hf_rfa.from_pretrained(str(tmp_path), type(model))
+        assert torch.equal(again.model.layers[1].self_attn.rfa.feature_map.decay_log_rate, torch.tensor([0.3, -1.2]))
+        assert hf_rfa.RFAConfig.from_dict(again.config.rfa_config).decay == 3.0
+        assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+def test_bidirectional_model_with_decay_is_refused():
+    with pytest.raises(ValueError, match="decay"):
+        hf_rfa.convert(tiny_model("bert"), hf_rfa.RFAConfig(window=4, decay=16.0))
+
+
+def test_attention_transfer_fits_the_decay():
+    m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["hedgehog"]))
+    fms = [layer.self_attn.rfa.feature_map for layer in m.model.layers]
+    before = [fm.decay_log_rate.detach().clone() for fm in fms]
+    assert all(any(p is fm.decay_log_rate for p in transfer.rfa_parameters(m)) for fm in fms)
+    ids = torch.randint(2, VOCAB, (64 * 6,), generator=torch.Generator().manual_seed(1))
+    transfer.attention_transfer(m, evaluation.shuffled_batches(ids, 64, 1, seed=0), tokens=64 * 4, lr=3e-2, progress=False)
+    assert all((fm.decay_log_rate - b).abs().max() > 1e-3 for fm, b in zip(fms, before))
