@@ -74,3 +74,19 @@ def test_attention_transfer_fits_the_decay():
     ids = torch.randint(2, VOCAB, (64 * 6,), generator=torch.Generator().manual_seed(1))
     transfer.attention_transfer(m, evaluation.shuffled_batches(ids, 64, 1, seed=0), tokens=64 * 4, lr=3e-2, progress=False)
     assert all((fm.decay_log_rate - b).abs().max() > 1e-3 for fm, b in zip(fms, before))
+
+
+def test_lora_can_train_the_decay_end_to_end():
+    """``lora_finetune(train_feature_maps=True)``: the decay moves, the merged model is a plain
+    converted model (no PEFT wrappers) that carries the trained decay; the default keeps maps frozen."""
+    ids = torch.randint(2, VOCAB, (64 * 6,), generator=torch.Generator().manual_seed(2))
+    for train_maps in (True, False):
+        m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["favor+"]))
+        before = m.model.layers[0].self_attn.rfa.feature_map.decay_log_rate.detach().clone()
+        merged, res = transfer.lora_finetune(m, evaluation.shuffled_batches(ids, 64, 1, seed=0), 64 * 4, lr=3e-2, progress=False, train_feature_maps=train_maps)
+        after = merged.model.layers[0].self_attn.rfa.feature_map.decay_log_rate
+        assert res.steps == 4 and not any("lora_" in n or "modules_to_save" in n for n, _ in merged.named_parameters())
+        assert ((after - before).abs().max() > 1e-3) == train_maps
+    with pytest.raises(ValueError, match="train_feature_maps"):
+        transfer.lora_finetune(hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=8)),
+                               evaluation.shuffled_batches(ids, 64, 1, seed=0), 64, progress=False, train_feature_maps=True)

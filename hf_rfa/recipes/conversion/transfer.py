@@ -275,9 +275,12 @@ def lora_finetune(
     r: int = 8,
     max_seconds: float | None = None,
     progress: bool = True,
+    train_feature_maps: bool = False,
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
-    converted model and a :class:`TransferResult`. Feature maps stay frozen. Causal LMs only
+    converted model and a :class:`TransferResult`. Feature maps stay frozen unless
+    ``train_feature_maps`` (then their parameters, e.g. a ``decay``, train end to end with the
+    adapters: PEFT's ``modules_to_save`` copies, folded back by the merge). Causal LMs only
     (labels = inputs)."""
     from peft import get_peft_model
     from tqdm.auto import tqdm
@@ -285,7 +288,11 @@ def lora_finetune(
     from ..training.peft_utils import lora_config
 
     register_train()
-    cfg = lora_config(model, r=r, train_feature_maps=False)
+    if not isinstance(train_feature_maps, bool):
+        raise ValueError(f"train_feature_maps must be a bool, got {train_feature_maps!r}")
+    if train_feature_maps and not rfa_parameters(model):
+        raise ValueError("train_feature_maps=True, but the converted model's feature maps have no trainable parameters")
+    cfg = lora_config(model, r=r, train_feature_maps=train_feature_maps)
     peft_model = get_peft_model(model, cfg)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
