@@ -90,3 +90,18 @@ def test_lora_can_train_the_decay_end_to_end():
     with pytest.raises(ValueError, match="train_feature_maps"):
         transfer.lora_finetune(hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=8)),
                                evaluation.shuffled_batches(ids, 64, 1, seed=0), 64, progress=False, train_feature_maps=True)
+
+
+def test_init_mixing_accounts_for_the_decay():
+    """A decayed feature part carries less mass, so the closed-form mix starts higher; with a
+    half-life far beyond the sequence it equals the undecayed init."""
+    from hf_rfa.recipes.conversion import calibration
+
+    ids = torch.randint(2, VOCAB, (1, 48), generator=torch.Generator().manual_seed(4))
+    mixes = {}
+    for hl in (0.0, 1e9, 2.0):
+        m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**{**SETTINGS["hedgehog"], "decay": hl}))
+        transfer.init_mixing(m, calibration.capture(m, ids))
+        mixes[hl] = torch.cat([layer.self_attn.rfa.feature_map.mix.detach() for layer in m.model.layers])
+    assert torch.allclose(mixes[1e9], mixes[0.0], atol=1e-5)
+    assert (mixes[2.0] > mixes[0.0] + 0.5).all()

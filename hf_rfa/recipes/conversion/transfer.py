@@ -119,7 +119,8 @@ def _regions(cap: Captured, window: int, sinks: int) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
     """Closed-form init of each hybrid head's ``mix``: mean over queries of
-    ``log Σ_far exp(q·k·scale) − log Σ_far φ(q)·φ(k)`` (far = keys not in window/sinks).
+    ``log Σ_far exp(q·k·scale) − log Σ_far φ(q)·φ(k)`` (far = keys not in window/sinks; with a
+    ``decay``, each feature term times its decay γ^(t−s)).
 
     Returns the number of layers initialised (maps without ``hybrid_mix`` are skipped).
     """
@@ -139,7 +140,14 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
         _, far = _regions(cap, rfa.window, rfa.sinks)
         far = far.expand(b, h, n, n)
         target = torch.logsumexp(torch.where(far, scores, torch.full_like(scores, NEG)), -1)
-        feat = torch.log((phi_q @ phi_k.transpose(-1, -2) * far).sum(-1).clamp_min(1e-30))
+        w = phi_q @ phi_k.transpose(-1, -2)
+        rate = getattr(fm, "decay_log_rate", None)
+        if rate is not None:  # a decayed feature state: key s reaches query t with weight γ^(t−s)
+            r = rate.detach().to(w.dtype).exp()
+            r = r.expand(h) if r.numel() == 1 else r.repeat_interleave(h // r.numel())
+            dist = (torch.arange(n).view(-1, 1) - torch.arange(n).view(1, -1)).clamp_min(0).to(w.dtype)
+            w = w * torch.exp(-r.view(1, h, 1, 1) * dist)
+        feat = torch.log((w * far).sum(-1).clamp_min(1e-30))
         rows = far.any(-1)  # [B,H,N]
         diff = torch.where(rows, target - feat, torch.zeros_like(target)).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
         if fm.mix.numel() == 1:
