@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/train_step.py                  # N = 1024, 2048, 4096; fp32 and bf16 (~20 min idle)
     .venv/bin/python benchmarks/train_step.py --long           # + N = 8192 (both) and 16384 (converted only)
     .venv/bin/python benchmarks/train_step.py --n 1024 2048 --dtypes fp32
+    .venv/bin/python benchmarks/train_step.py --n 16384 --dtypes fp32-ckpt --models converted
 
 Batch 1, ``model(ids, labels=ids).loss.backward()``, all parameters trainable, ``model.train()``;
 converted = FAVOR+ m=256 + window 256 + 4 sinks (the main job's recipe). Each case (model, N,
@@ -57,6 +58,8 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) 
     if model_kind == "converted":
         model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPE))
     model.train()
+    if dtype.endswith("-ckpt"):  # transformers' activation checkpointing: each layer recomputed in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for p in model.parameters():
         p.requires_grad_(True)
     ids = torch.randint(10, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
@@ -64,7 +67,7 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) 
     for _ in range(1 + steps):  # warm-up, measured
         model.zero_grad(set_to_none=True)
         t0, c0 = time.perf_counter(), time.process_time()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype.startswith("bf16")):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         times.append(time.perf_counter() - t0)
@@ -124,7 +127,7 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model in ("original", "converted"):
-        for dt, style in (("fp32", "-o"), ("bf16", "--s")):
+        for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^")):
             pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and "tok_s" in r)
             if pts:
                 a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
@@ -145,7 +148,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=None, help=f"token counts (default {SHORT_N}, with --long also {LONG_N})")
     ap.add_argument("--long", action="store_true", help=f"add the long cases N = {LONG_N} (an hour or more on 2 cores)")
     ap.add_argument("--steps", type=int, default=1, help="measured steps per case after the warm-up (the fastest counts)")
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp32-ckpt"], help="fp32-ckpt: fp32 with transformers' gradient checkpointing (model.gradient_checkpointing_enable)")
     ap.add_argument("--models", nargs="+", default=["original", "converted"], choices=["original", "converted"])
     ap.add_argument("--original-max", type=int, default=8192, help="largest N run for the original model")
     ap.add_argument("--threads", type=int, default=2)
@@ -186,7 +189,7 @@ def main() -> None:
         "# Training step: original vs converted SmolLM2-135M\n\n"
         f"`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, {args.threads} threads, "
         "fastest measured step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process; "
-        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`. Original and converted of a row ran back to back (the ratio is measured "
+        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt = fp32 with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward). Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
         "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
         "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"

@@ -1,0 +1,36 @@
+"""benchmarks/train_step.py: a real training-step case runs (plain and with gradient checkpointing,
+which must give the same loss) and the table pairs original and converted rows."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "train_step.py"
+_spec = importlib.util.spec_from_file_location("train_step_bench", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.slow
+def test_child_case_with_and_without_gradient_checkpointing():
+    rows = {}
+    for dt in ("fp32", "fp32-ckpt"):
+        out = subprocess.run([sys.executable, str(_PATH), "--child", "converted", "128", dt, "--threads", "1"], capture_output=True, text=True, timeout=600, check=True)
+        rows[dt] = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    assert all(r["tok_s"] > 0 and r["peak_rss_gib"] > 0 for r in rows.values())
+    assert abs(rows["fp32"]["loss"] - rows["fp32-ckpt"]["loss"]) < 1e-4  # recomputation changes nothing
+
+
+def test_render_pairs_original_and_converted_per_dtype():
+    rows = [
+        {"model": "original", "n": 4096, "dtype": "fp32-ckpt", "tok_s": 40.0, "peak_rss_gib": 8.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 20.0},
+        {"model": "converted", "n": 4096, "dtype": "fp32-ckpt", "tok_s": 60.0, "peak_rss_gib": 6.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 30.0},
+        {"model": "converted", "n": 16384, "dtype": "fp32-ckpt", "error": "killed (out of memory?)"},
+    ]
+    table = bench.render(rows)
+    assert "| 4096 | fp32-ckpt | 40 | 60 | 1.50× | 8.0 | 6.0 | 0.75× |" in table
+    assert "| 16384 | fp32-ckpt | — | killed (out of memory?) | — |" in table
