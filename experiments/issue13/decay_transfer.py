@@ -7,7 +7,8 @@ from data (``init_mixing`` weighs the far keys by their decay), transfers ``--to
 at context ``--context`` (the pipeline's ``attention_transfer``, last ``--queries`` queries, stream
 seed ``--seed``: different windows from the first 65,536 tokens' stream, seed 0), measures, then
 LoRA r=8 for ``--lora`` tokens at 1024 on the stream of ``transfer_budget.py`` (seed 7) and measures
-again. Rows: JSON lines, also appended to ``--out``; ``--save`` keeps the map after transfer.
+again. ``--max-position P``: the transfer sees each sequence at a random position offset up to P
+(``attention_transfer(max_position=)``). Rows: JSON lines, also appended to ``--out``; ``--save`` keeps the map after transfer.
 """
 import argparse
 import json
@@ -39,6 +40,7 @@ p.add_argument("--lora", type=int, default=8192)
 p.add_argument("--contexts", default="1024,4096")
 p.add_argument("--ppl-tokens", type=int, default=4096)
 p.add_argument("--copy-draws", type=int, default=4)
+p.add_argument("--max-position", type=int, default=0, help="random position offsets in transfer up to this position (0: positions from 0)")
 p.add_argument("--save", default="")
 p.add_argument("--out", default="experiments/issue13/decay.jsonl")
 a = p.parse_args()
@@ -69,8 +71,8 @@ def measure(m, name, extra=None):
 
 
 res = transfer.attention_transfer(model, evaluation.shuffled_batches(train, a.context, 1, a.seed), a.tokens, lr=a.lr, init_mix=True,
-                                  progress=False, queries=a.queries or None)
-name = f"hedgehog m={a.m}, 65536 transfer tokens + {res.tokens} with decay {a.decay:g} (trained)"
+                                  progress=False, queries=a.queries or None, max_position=a.max_position or None, seed=a.seed)
+name = f"hedgehog m={a.m}, 65536 transfer tokens + {res.tokens} with decay {a.decay:g} (trained)" + (f", positions up to {a.max_position}" if a.max_position else "")
 measure(model, name, {"transfer": res.as_dict()})
 if a.save:
     torch.save({k: v for k, v in model.state_dict().items() if ".rfa." in k}, a.save)

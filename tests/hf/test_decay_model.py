@@ -105,3 +105,26 @@ def test_init_mixing_accounts_for_the_decay():
         mixes[hl] = torch.cat([layer.self_attn.rfa.feature_map.mix.detach() for layer in m.model.layers])
     assert torch.allclose(mixes[1e9], mixes[0.0], atol=1e-5)
     assert (mixes[2.0] > mixes[0.0] + 0.5).all()
+
+
+def test_transfer_with_position_offsets():
+    """``max_position``: captured q/k come from shifted positions (rotary: different q, the same
+    softmax output up to rounding); the run is deterministic and a too-small bound is refused."""
+    from hf_rfa.recipes.conversion import calibration
+
+    m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["hedgehog"]))
+    ids = torch.randint(2, VOCAB, (1, 32), generator=torch.Generator().manual_seed(6))
+    a = calibration.capture(m, ids)[0]
+    b = calibration.capture(m, ids, position_ids=torch.arange(32).view(1, -1) + 500)[0]
+    assert (a.q - b.q).abs().max() > 1e-2 and torch.allclose(a.out, b.out, atol=1e-4)
+    stream = torch.randint(2, VOCAB, (64 * 6,), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for _ in range(2):
+        mm = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["hedgehog"]))
+        r = transfer.attention_transfer(mm, evaluation.shuffled_batches(stream, 64, 1, seed=0), 64 * 3, progress=False, max_position=4096, seed=3)
+        runs.append(r.losses)
+    plain = transfer.attention_transfer(hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["hedgehog"])),
+                                        evaluation.shuffled_batches(stream, 64, 1, seed=0), 64 * 3, progress=False)
+    assert runs[0] == runs[1] and runs[0] != plain.losses
+    with pytest.raises(ValueError, match="max_position"):
+        transfer.attention_transfer(m, evaluation.shuffled_batches(stream, 64, 1, seed=0), 64, progress=False, max_position=32)

@@ -95,10 +95,11 @@ def attn_implementation(model: nn.Module, name: str) -> Iterator[None]:
 
 
 @torch.no_grad()
-def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[int, Captured]:
+def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict[int, Captured]:
     """One softmax forward of ``model``; returns ``{layer_idx: Captured}`` for every attention layer.
 
-    ``input_ids [B, N]``; ``attention_mask [B, N]`` (1 = real token) or None.
+    ``input_ids [B, N]``; ``attention_mask [B, N]`` (1 = real token) or None; ``position_ids
+    [B, N]`` or None (the model's default positions).
     """
     register_capture()
     index = {id(m): idx for _, m, idx in find_attention_modules(model)}
@@ -110,6 +111,8 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         with attn_implementation(model, CAPTURE_NAME):
             base = getattr(model, "base_model", model)  # no LM head: logits are not needed
             kwargs = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
+            if position_ids is not None:
+                kwargs["position_ids"] = position_ids
             base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     finally:
         _STORE.pop()

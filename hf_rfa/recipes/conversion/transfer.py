@@ -168,6 +168,8 @@ def attention_transfer(
     progress: bool = True,
     queries: int | None = None,
     twin_max_keys: int = TWIN_MAX_KEYS,
+    max_position: int | None = None,
+    seed: int = 0,
 ) -> TransferResult:
     """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
 
@@ -184,6 +186,10 @@ def attention_transfer(
             still attend over the whole context): fewer outputs to fit (the op still reads every key).
         twin_max_keys: the layer outputs are the quadratic twin's up to this context, the op's
             above (:func:`transfer_output`, :data:`TWIN_MAX_KEYS`).
+        max_position: each sequence gets positions ``offset … offset + N − 1`` with a random
+            ``offset`` in ``[0, max_position − N]`` (drawn from ``seed``), so a map applied to
+            rotary-embedded q/k learns every absolute position up to ``max_position``, not only
+            those below the training context. None: positions from 0.
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
     Raises ValueError when the converted layers have nothing to train (random maps).
     """
@@ -203,10 +209,20 @@ def attention_transfer(
     start = time.perf_counter()
     bar = tqdm(total=tokens, desc="attention transfer", unit="tok", disable=not progress)
     was_training = model.training
+    gen = torch.Generator().manual_seed(int(seed))
+    if max_position is not None and (isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1):
+        raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
     model.eval()
     try:
         for ids, mask in batches:
-            caps = capture(model, ids, mask)
+            pos = None
+            if max_position is not None:
+                n_ctx = ids.shape[-1]
+                if max_position < n_ctx:
+                    raise ValueError(f"max_position ({max_position}) must be at least the context ({n_ctx})")
+                off = int(torch.randint(0, max_position - n_ctx + 1, (1,), generator=gen))
+                pos = (torch.arange(n_ctx) + off).expand(ids.shape[0], n_ctx)
+            caps = capture(model, ids, mask, pos)
             if init_mix and res.steps == 0:
                 init_mixing(model, caps)
             if res.steps == 0:
