@@ -41,6 +41,7 @@ p.add_argument("--contexts", default="1024,4096")
 p.add_argument("--ppl-tokens", type=int, default=4096)
 p.add_argument("--copy-draws", type=int, default=4)
 p.add_argument("--max-position", type=int, default=0, help="random position offsets in transfer up to this position (0: positions from 0)")
+p.add_argument("--prior-tokens", type=int, default=65536, help="transfer tokens already in --state (for the row's name)")
 p.add_argument("--save", default="")
 p.add_argument("--out", default="experiments/issue13/decay.jsonl")
 a = p.parse_args()
@@ -72,7 +73,7 @@ def measure(m, name, extra=None):
 
 res = transfer.attention_transfer(model, evaluation.shuffled_batches(train, a.context, 1, a.seed), a.tokens, lr=a.lr, init_mix=True,
                                   progress=False, queries=a.queries or None, max_position=a.max_position or None, seed=a.seed)
-name = f"hedgehog m={a.m}, 65536 transfer tokens + {res.tokens} with decay {a.decay:g} (trained)" + (f", positions up to {a.max_position}" if a.max_position else "")
+name = f"hedgehog m={a.m}, {a.prior_tokens} transfer tokens + {res.tokens} with decay {a.decay:g} (trained)" + (f", positions up to {a.max_position}" if a.max_position else "")
 measure(model, name, {"transfer": res.as_dict()})
 if a.save:
     torch.save({k: v for k, v in model.state_dict().items() if ".rfa." in k}, a.save)
