@@ -106,7 +106,7 @@ def render(results: list[dict]) -> str:
             return "—"
         return r.get("error", "failed") if field not in r else fmt.format(r[field])
 
-    out = ["| N | dtype | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| N | dtype | threads | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, dt in rows:
         o, c = by.get(("original", n, dt)), by.get(("converted", n, dt))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
@@ -115,7 +115,8 @@ def render(results: list[dict]) -> str:
         load = f"{cell(o, 'load_avg_1m', '{:.1f}')} / {cell(c, 'load_avg_1m', '{:.1f}')}"
         cpu_ok = ok and "tok_per_cpu_s" in o and "tok_per_cpu_s" in c
         cpu_cells = f"{o['tok_per_cpu_s']:.1f} / {c['tok_per_cpu_s']:.1f} = {c['tok_per_cpu_s'] / o['tok_per_cpu_s']:.2f}×" if cpu_ok else "—"
-        out.append(f"| {n} | {dt} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
+        thr = "/".join(sorted({str(r["threads"]) for r in (o, c) if r is not None and "threads" in r})) or "—"
+        out.append(f"| {n} | {dt} | {thr} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
     return "\n".join(out)
 
 
@@ -187,7 +188,7 @@ def main() -> None:
     cmds = "\n".join(f"    {r['command']}    # load average {r['load_avg_start']:.1f} -> {r.get('load_avg_end', float('nan')):.1f}" + (f"; {r['note']}" if r.get("note") else "") for r in runs)
     args.out.with_suffix(".md").write_text(
         "# Training step: original vs converted SmolLM2-135M\n\n"
-        f"`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, {args.threads} threads, "
+        "`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, threads per row, "
         "fastest measured step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process; "
         "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt = fp32 with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward). Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "

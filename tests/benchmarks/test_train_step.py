@@ -27,10 +27,10 @@ def test_child_case_with_and_without_gradient_checkpointing():
 
 def test_render_pairs_original_and_converted_per_dtype():
     rows = [
-        {"model": "original", "n": 4096, "dtype": "fp32-ckpt", "tok_s": 40.0, "peak_rss_gib": 8.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 20.0},
-        {"model": "converted", "n": 4096, "dtype": "fp32-ckpt", "tok_s": 60.0, "peak_rss_gib": 6.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 30.0},
+        {"model": "original", "n": 4096, "dtype": "fp32-ckpt", "threads": 2, "tok_s": 40.0, "peak_rss_gib": 8.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 20.0},
+        {"model": "converted", "n": 4096, "dtype": "fp32-ckpt", "threads": 2, "tok_s": 60.0, "peak_rss_gib": 6.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 30.0},
         {"model": "converted", "n": 16384, "dtype": "fp32-ckpt", "error": "killed (out of memory?)"},
     ]
     table = bench.render(rows)
-    assert "| 4096 | fp32-ckpt | 40 | 60 | 1.50× | 8.0 | 6.0 | 0.75× |" in table
-    assert "| 16384 | fp32-ckpt | — | killed (out of memory?) | — |" in table
+    assert "| 4096 | fp32-ckpt | 2 | 40 | 60 | 1.50× | 8.0 | 6.0 | 0.75× |" in table
+    assert "| 16384 | fp32-ckpt | — | — | killed (out of memory?) | — |" in table
