@@ -23,6 +23,8 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "memory": (0, MAX_MEMORY),
     "memory_every": (1, MAX_CHUNK),
 }
+#: what the feature part of a rotary-embedded model reads (``feature_input``)
+FEATURE_INPUTS = ("rotated", "unrotated")
 #: largest ``decay`` half-life (tokens)
 MAX_DECAY = 1e9
 #: largest layer index accepted in ``layers``
@@ -64,6 +66,10 @@ class RFAConfig:
         default=0.0,
         metadata={"help": "causal layers: half-life in tokens of an exponential decay of the feature state, S_t = g S_{t-1} + phi(k_t) v_t^T with g = 2^(-1/decay) per kv head, learned by attention transfer (0: no decay)"},
     )
+    feature_input: str = field(
+        default="rotated",
+        metadata={"help": f"one of {list(FEATURE_INPUTS)}: what the feature part reads in a model with rotary position embeddings (Llama...): 'rotated' the q/k the softmax scores, 'unrotated' q/k before the rotary embedding (position-free features; the exact window and sinks keep the rotated q/k)"},
+    )
 
     def __post_init__(self) -> None:
         names = available_feature_maps()
@@ -86,6 +92,10 @@ class RFAConfig:
             clash = [name for name, bad in (("gate", self.gate), ("memory", self.memory > 0), ("feature_map='none'", self.feature_map == "none")) if bad]
             if clash:
                 raise ValueError(f"decay > 0 does not combine with {', '.join(clash)} (gate=True is already a decay; the memory needs an undecayed state; 'none' has no feature state); use decay=0")
+        if self.feature_input not in FEATURE_INPUTS:
+            raise ValueError(f"feature_input must be one of {list(FEATURE_INPUTS)}, got {self.feature_input!r}")
+        if self.feature_input == "unrotated" and self.memory > 0:
+            raise ValueError("feature_input='unrotated' does not combine with memory > 0 (the exact memory's feature state reads the rotated keys); use memory=0 or feature_input='rotated'")
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:

@@ -26,7 +26,8 @@ from hf_rfa.recipes.conversion import transfer
 from hf_rfa.recipes.conversion.pipeline import load_model
 
 p = argparse.ArgumentParser()
-p.add_argument("--state", default="/tmp/e1/hedgehog_w64.pt")
+p.add_argument("--state", default="/tmp/e1/hedgehog_w64.pt", help="feature-map tensors to start from ('': a fresh map, --prior-tokens 0)")
+p.add_argument("--feature-input", default="rotated", choices=["rotated", "unrotated"], help="RFAConfig(feature_input=)")
 p.add_argument("--m", type=int, default=64)
 p.add_argument("--window", type=int, default=64)
 p.add_argument("--sinks", type=int, default=4)
@@ -51,8 +52,9 @@ t0 = time.time()
 model, tok, _ = load_model(str(assets.smollm2_path()))
 train = evaluation.tokenize(tok, evaluation.load_text(str(assets.wikipedia_text_file("train"))))
 ev = evaluation.tokenize(tok, evaluation.load_text(str(assets.wikipedia_text_file("eval"))))
-hf_rfa.convert(model, RFAConfig(feature_map="hedgehog", num_features=a.m, window=a.window, sinks=a.sinks, decay=a.decay, feature_map_options={"hybrid_mix": True}))
-model.load_state_dict(torch.load(a.state), strict=False)
+hf_rfa.convert(model, RFAConfig(feature_map="hedgehog", num_features=a.m, window=a.window, sinks=a.sinks, decay=a.decay, feature_map_options={"hybrid_mix": True}, feature_input=a.feature_input))
+if a.state:
+    model.load_state_dict(torch.load(a.state), strict=False)
 
 
 def measure(m, name, extra=None):
@@ -73,7 +75,7 @@ def measure(m, name, extra=None):
 
 res = transfer.attention_transfer(model, evaluation.shuffled_batches(train, a.context, 1, a.seed), a.tokens, lr=a.lr, init_mix=True,
                                   progress=False, queries=a.queries or None, max_position=a.max_position or None, seed=a.seed)
-name = f"hedgehog m={a.m}, {a.prior_tokens} transfer tokens + {res.tokens} with decay {a.decay:g} (trained)" + (f", positions up to {a.max_position}" if a.max_position else "")
+name = f"hedgehog m={a.m}, {a.prior_tokens} transfer tokens + {res.tokens} with decay {a.decay:g} (trained)" + (f", positions up to {a.max_position}" if a.max_position else "") + (", un-rotated q/k" if a.feature_input == "unrotated" else "")
 measure(model, name, {"transfer": res.as_dict()})
 if a.save:
     torch.save({k: v for k, v in model.state_dict().items() if ".rfa." in k}, a.save)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..feature_maps import FeatureMap
 from ..ops import random_feature_attention
+from .rope import ROPE_ATTR, unrotated_qk
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class RFAAttention(nn.Module):
     def __init__(
         self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
         checkpoint_blocks: bool = True, backend: str = "auto", memory: int = 0, memory_every: int = 64,
+        feature_input: str = "rotated",
     ) -> None:
         super().__init__()
         self.feature_map = feature_map
@@ -49,6 +51,7 @@ class RFAAttention(nn.Module):
         self.backend = backend
         self.memory = int(memory)
         self.memory_every = int(memory_every)
+        self.feature_input = feature_input
 
     def forward(
         self,
@@ -60,20 +63,27 @@ class RFAAttention(nn.Module):
         scale: float | None,
         **kwargs,
     ) -> torch.Tensor:
-        """q ``[B, H, Nq, D]``, k/v ``[B, Hkv, Nk, D]``, mask ``[B, Nk]`` → ``[B, H, Nq, Dv]``."""
+        """q ``[B, H, Nq, D]``, k/v ``[B, Hkv, Nk, D]``, mask ``[B, Nk]`` → ``[B, H, Nq, Dv]``.
+
+        ``feature_input="unrotated"``: ``kwargs["rfa_rope"]`` is the forward's ``(cos, sin)``; the
+        feature part reads q/k with it undone (:mod:`hf_rfa.hf.rope`)."""
+        fq = fk = None
+        if self.feature_input == "unrotated":
+            fq, fk = unrotated_qk(kwargs.get("rfa_rope"), query, key)
         cache = kwargs.get("rfa_cache_layer")
         if cache is not None:
-            return cache.attend(self, query, key, value, attention_mask, causal, scale)
+            return cache.attend(self, query, key, value, attention_mask, causal, scale, feature_q=fq, feature_k=fk)
         return random_feature_attention(
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
             checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
-            memory=self.memory, memory_every=self.memory_every,
+            memory=self.memory, memory_every=self.memory_every, feature_q=fq, feature_k=fk,
         )
 
     def extra_repr(self) -> str:
         mem = f", memory={self.memory}, memory_every={self.memory_every}" if self.memory else ""
-        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}{mem}"
+        fin = ", feature_input=unrotated" if self.feature_input == "unrotated" else ""
+        return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}{mem}{fin}"
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:
@@ -140,6 +150,8 @@ def rfa_attention_forward(
     if rfa is None:
         out = exact_attention(query, key, value, mask2d, causal, scaling, dropout)
     else:
+        if hasattr(module, ROPE_ATTR):  # feature_input='unrotated': this forward's rotary embedding
+            kwargs["rfa_rope"] = getattr(module, ROPE_ATTR)
         out = rfa(query, key, value, mask2d, causal, scaling, **kwargs)
     return out.transpose(1, 2).contiguous(), None
 

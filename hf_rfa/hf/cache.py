@@ -110,6 +110,8 @@ class RFACacheLayer(CacheLayerMixin):
         attention_mask: torch.Tensor | None,
         causal: bool,
         scale: float | None,
+        feature_q: torch.Tensor | None = None,
+        feature_k: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the new tokens with the state; updates it. q ``[B, H, n, D]`` → ``[B, H, n, Dv]``.
 
@@ -130,6 +132,7 @@ class RFACacheLayer(CacheLayerMixin):
             else:
                 self.state = DecodeState.empty(
                     b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, key.dtype, key.device, compute_dtype=ct,
+                    feature_keys=feature_k is not None,
                 )
         if self.state.seen + key.shape[2] != self.cumulative_length:
             raise RuntimeError(
@@ -146,6 +149,7 @@ class RFACacheLayer(CacheLayerMixin):
         out, self.state = continue_attention(
             self.state, query, key, value, fm, attention_mask,
             window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend,
+            feature_q=feature_q, feature_k=feature_k,
         )
         self._pending = False
         return out

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import compat
 from .attention import ATTN_NAME, RFAAttention, register
+from .rope import install_rope_hook, takes_position_embeddings
 from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
 
@@ -128,7 +129,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     if config.decay > 0:
         fm.enable_decay(config.decay)
     return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend,
-                        memory=config.memory, memory_every=config.memory_every)
+                        memory=config.memory, memory_every=config.memory_every, feature_input=config.feature_input)
 
 
 def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any) -> nn.Module:
@@ -175,6 +176,13 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
             raise ValueError(f"memory={config.memory}: the exact memory needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use memory=0)")
         if bidir:
             raise ValueError(f"decay={config.decay:g}: a decay of the feature state needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use decay=0)")
+    if config.feature_input == "unrotated":
+        plain = [idx for _, module, idx in modules if config.converts_layer(idx) and not takes_position_embeddings(module)]
+        if plain:
+            raise ValueError(
+                f"feature_input='unrotated' needs rotary position embeddings, but the attention of layer(s) {plain} of "
+                f"{type(model).__name__} takes no position_embeddings (no rotary embedding to undo); use feature_input='rotated'"
+            )
     for _name, module in model.named_modules():  # cross-attention and unselected layers: exact on purpose
         if _uses_attention_interface(module):
             module._hf_rfa_converted = True
@@ -190,6 +198,8 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
         if ref is not None:
             layer = layer.to(device=ref.device)
         module.rfa = layer
+        if config.feature_input == "unrotated":
+            install_rope_hook(module)
         converted += 1
     setattr(model.config, CONFIG_ATTR, config.to_dict())
     model.set_attn_implementation(ATTN_NAME)

@@ -17,7 +17,7 @@ from .bidirectional import bidirectional_feature_attention
 from .fused import causal_feature_attention
 from .hybrid import exact_local
 from .linear import bidirectional_linear, causal_linear, shift_keys
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import check_memory_args, memory_attention
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
@@ -44,6 +44,8 @@ def random_feature_attention(
     backend: str = "auto",
     memory: int = 0,
     memory_every: int = 64,
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -70,6 +72,10 @@ def random_feature_attention(
         memory, memory_every: causal only: at most ``memory`` older keys per kv head answered
             exactly, re-chosen at multiples of ``memory_every`` (:mod:`hf_rfa.ops.memory`, which
             runs its own PyTorch form whatever the backend). 0: off.
+        feature_q, feature_k: what the feature part reads instead of q and k (shapes of q and k),
+            e.g. the queries/keys before the rotary embedding (``RFAConfig(feature_input=
+            "unrotated")``): the exact window and sinks still score q·k; the feature part scores
+            φ(feature_q)·φ(feature_k). Both or neither; not with ``memory > 0``. None: q and k.
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
@@ -94,10 +100,12 @@ def random_feature_attention(
     null = getattr(feature_map, "null", False)
     if null and window == 0 and sinks == 0:
         raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
+    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k, memory)
     km = key_mask_bool(attention_mask, b, nk, q.device)
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
-    be = resolve(backend, grad=needs_grad(q, k, v, *params), causal=causal, device=q.device, dtype=ct)
+    extra = (feature_q, feature_k) if feature_q is not None else ()
+    be = resolve(backend, grad=needs_grad(q, k, v, *extra, *params), causal=causal, device=q.device, dtype=ct)
     # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
     band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
     if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls (fullgraph compile)
@@ -105,21 +113,28 @@ def random_feature_attention(
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
+    if feature_q is not None:  # a non-finite feature input is poisoned like its q/k (rows NaN below)
+        bad_q, bad_k = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1)
+        feature_q = torch.where(bad_q[..., None], torch.zeros_like(feature_q), feature_q)
+        feature_k = torch.where(bad_k[..., None], torch.zeros_like(feature_k), feature_k)
+        if bool(bad_q.any()) or bool(bad_k.any()):
+            rows = bad_q | _kv_poison(bad_k, km, causal, h // hkv, nq)
+            poison = rows if poison is None else poison | rows
     if memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
         out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native")
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
-        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native")
+        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k)
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return out
 
 
-def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool) -> torch.Tensor:
+def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None) -> torch.Tensor:
     """The computation of :func:`random_feature_attention` on checked arguments once the backend
     is chosen (``km [B, Nk]`` bool or None; ``window``, ``sinks`` at most Nk; ``be``;
-    ``native_band``: the exact part of a causal hybrid runs the C++ kernel); returns
-    ``[B, H, Nq, Dv]`` in q's dtype."""
+    ``native_band``: the exact part of a causal hybrid runs the C++ kernel; ``feature_q/k``: the
+    feature part's inputs, or None for q/k); returns ``[B, H, Nq, Dv]`` in q's dtype."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     out_dtype = q.dtype
@@ -128,6 +143,10 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
 
     if causal and nq < nk:  # queries are the last Nq positions: align them with their keys
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
+        if feature_q is not None:
+            feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
+    fq_in = q if feature_q is None else feature_q  # what the feature map reads
+    fk_in = k if feature_k is None else feature_k
     n = q.shape[2]
     root = scale**0.5
     # causal feature part: features are computed block by block inside causal_feature_attention
@@ -144,17 +163,18 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
         fused = True
     if not fused or ((window > 0 or sinks > 0) and not native_band) or (causal and feature_map.has_gate):
         xq, xk = q.to(ct) * root, k.to(ct) * root
+        xq_f, xk_f = (xq, xk) if feature_q is None else (fq_in.to(ct) * root, fk_in.to(ct) * root)
     vv = v.to(ct) if not fused or window > 0 or sinks > 0 else v
     qf = lq = kf = lk = lq_add = lk_add = None
     if not fused:
-        fq = feature_map.forward_queries(xq)
-        fk = feature_map.forward_keys(xk)
+        fq = feature_map.forward_queries(xq_f)
+        fk = feature_map.forward_keys(xk_f)
         qf = fq.phi.reshape(b, hkv, g, n, -1)
         lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
         kf, lk = fk.phi, fk.log_scale
 
     if causal and feature_map.has_gate:
-        lk_add, lq_add = _gate_terms(feature_map, xk, km)
+        lk_add, lq_add = _gate_terms(feature_map, xk_f, km)
         if not fused:
             lk, lq = (lk if lk is not None else 0.0) + lk_add, (lq if lq is not None else 0.0) + lq_add
             lk_add = lq_add = None
@@ -182,14 +202,14 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None
             if causal:
-                ks, vs, kmask, lka = k, vv, feat_mask, lk_add
+                ks, vs, kmask, lka = fk_in, vv, feat_mask, lk_add
                 if window > 0:  # feature part of a causal window: query t sees keys s <= t - W
-                    ks, vs, lka = shift_keys(k, window, 0.0), shift_keys(vv, window, 0.0), (shift_keys(lk_add, window, 0.0) if lk_add is not None else None)
+                    ks, vs, lka = shift_keys(fk_in, window, 0.0), shift_keys(vv, window, 0.0), (shift_keys(lk_add, window, 0.0) if lk_add is not None else None)
                     real = feat_mask if feat_mask is not None else torch.ones(b, nk, dtype=torch.bool, device=q.device)
                     kmask = shift_keys(real, window, False, dim=1)
-                part = causal_feature_attention(feature_map, q, ks, vs, kmask, lq_add, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks, backend=be)[0]
+                part = causal_feature_attention(feature_map, fq_in, ks, vs, kmask, lq_add, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks, backend=be)[0]
             else:
-                part = bidirectional_feature_attention(feature_map, q, k, vv, feat_mask, x_scale=root, out=fused_out)
+                part = bidirectional_feature_attention(feature_map, fq_in, fk_in, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:
                 parts.append(part)
         else:
@@ -202,6 +222,18 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
     out = out.reshape(b, h, n, -1)[:, :, n - nq :]
     return to_output_dtype(out, out_dtype)
+
+
+def _kv_poison(bad_k: torch.Tensor, km, causal: bool, g: int, nq: int) -> torch.Tensor:
+    """Query rows ``[B, H, Nq]`` that a non-finite real key ``bad_k [B, Hkv, Nk]`` poisons (causal:
+    from its position on), as softmax would."""
+    if km is not None:
+        bad_k = bad_k & km[:, None, :]
+    if causal:
+        rows = torch.cumsum(bad_k.long(), -1) > 0
+    else:
+        rows = bad_k.any(-1, keepdim=True).expand_as(bad_k)
+    return rows.repeat_interleave(g, 1)[..., -nq:]
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 
 from .backends import honours_backend, resolve
 from .fused import causal_feature_attention
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
 
@@ -55,6 +55,8 @@ class DecodeState:
     nonfinite:   ``[B, Hkv]`` bool, a real key/value seen so far held a NaN/±inf (it was zeroed
                  before entering the state; every later row of that head is NaN, as in softmax).
     seen:        positions seen so far, padding included (the sequence length).
+    win_kf:      ``[B, Hkv, Wc, D]`` the feature part's keys of the kept positions (``feature_k``,
+                 e.g. un-rotated keys), or None when the feature part reads the keys themselves.
     """
 
     linear: LinearState
@@ -70,6 +72,7 @@ class DecodeState:
     real_count: torch.Tensor
     nonfinite: torch.Tensor
     seen: int = 0
+    win_kf: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -83,8 +86,10 @@ class DecodeState:
         dtype: torch.dtype,
         device=None,
         compute_dtype: torch.dtype = torch.float32,
+        feature_keys: bool = False,
     ) -> "DecodeState":
-        """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``."""
+        """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``;
+        ``feature_keys``: also keep the window's feature-part keys (``continue_attention(feature_k=)``)."""
         b, h = batch, kv_heads
         return cls(
             linear=LinearState.zeros(b, h, feature_dim, value_dim, device=device, dtype=compute_dtype),
@@ -100,18 +105,19 @@ class DecodeState:
             real_count=torch.zeros(b, dtype=torch.long, device=device),
             nonfinite=torch.zeros(b, h, dtype=torch.bool, device=device),
             seen=0,
+            win_kf=torch.zeros(b, h, 0, head_dim, dtype=dtype, device=device) if feature_keys else None,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the state by name (the linear state's under ``linear.*``)."""
         out = {f"linear.{f.name}": getattr(self.linear, f.name) for f in fields(LinearState)}
-        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("linear", "seen")})
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("linear", "seen") and getattr(self, f.name) is not None})
         return out
 
     def map_batch(self, fn) -> "DecodeState":
         """Apply ``fn`` to the batch axis (dim 0) of every tensor: reorder, select, repeat."""
         lin = LinearState(*(fn(getattr(self.linear, f.name)) for f in fields(LinearState)))
-        rest = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name not in ("linear", "seen")}
+        rest = {f.name: (fn(getattr(self, f.name)) if getattr(self, f.name) is not None else None) for f in fields(self) if f.name not in ("linear", "seen")}
         return DecodeState(linear=lin, seen=self.seen, **rest)
 
     def nbytes(self) -> int:
@@ -289,6 +295,8 @@ def continue_attention(
     scale: float | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, DecodeState]:
     """Causal attention of ``n`` new tokens given the summarised past.
 
@@ -301,6 +309,9 @@ def continue_attention(
         backend: as in ``random_feature_attention`` (the same rule and refusals,
             :func:`hf_rfa.ops.backends.resolve`; logged at DEBUG): it runs the feature scan of a
             prefill / multi-token chunk; a single decoding step is the recurrent form.
+        feature_q, feature_k: the feature part's inputs for the new tokens (shapes of q, k), as in
+            ``random_feature_attention``; the state must then keep them for its window
+            (``DecodeState.empty(..., feature_keys=True)``), and every call must give them.
     Returns:
         ``(out [B, H, n, Dv], new_state)``; out has q's dtype.
 
@@ -312,6 +323,12 @@ def continue_attention(
     output is clamped to float16's range.
     """
     b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
+    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
+    if (feature_k is None) != (state.win_kf is None):
+        raise ValueError(
+            "feature_q/feature_k must be given exactly when the state keeps feature keys "
+            f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
+        )
     if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
         return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
     scale = d**-0.5 if scale is None else float(scale)
@@ -321,6 +338,15 @@ def continue_attention(
     dev = q.device
     km = torch.ones(b, n, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
+    if feature_q is not None:  # non-finite feature inputs: zeroed, rows poisoned like a bad q/k
+        bad_q, bad_k = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1) & km[:, None, :]
+        if bool(bad_q.any()) or bool(bad_k.any()):
+            feature_q = torch.where(bad_q[..., None], torch.zeros_like(feature_q), feature_q)
+            feature_k = torch.where(bad_k[..., None], torch.zeros_like(feature_k), feature_k)
+            seen_bad = (torch.cumsum(bad_k.long(), -1) > 0) | nonfinite[..., None]
+            rows = bad_q | seen_bad.repeat_interleave(h // hkv, 1)
+            poison = rows if poison is None else poison | rows
+            nonfinite = nonfinite | bad_k.any(-1)
     p0, wc = state.seen, state.win_k.shape[2]
     pos0 = p0 - wc  # absolute position of local index 0
 
@@ -335,6 +361,12 @@ def continue_attention(
     xq = q.to(ct) * root
     xk = lk_raw.to(ct) * root
     vv = lv_raw.to(ct)
+    lkf_raw = None
+    if feature_k is None:
+        xq_f, xk_f = xq, xk
+    else:
+        lkf_raw = torch.cat([state.win_kf, feature_k.to(state.win_kf.dtype)], dim=2)
+        xq_f, xk_f = feature_q.to(ct) * root, lkf_raw.to(ct) * root
 
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     grad = needs_grad(q, k, v, *state.tensors().values(), *params)
@@ -353,14 +385,14 @@ def continue_attention(
     win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
     cl = log1mg_all = None
     if feature_map.has_gate:  # log decay since the last processed token [B,Hkv,n]; padding never decays
-        logg, log1mg_all = feature_map.log_gate(xk)  # [B,Hkv,L]
+        logg, log1mg_all = feature_map.log_gate(xk_f)  # [B,Hkv,L]
         cl = torch.cumsum(logg[..., wc:] * km[:, None, :], dim=-1)
         # origin: just before the new tokens; kept keys carry the decay they have had so far
         win_decay = torch.cat([state.win_decay, -cl], dim=-1)
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
     e = max(0, big_l - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
     if e > 0:
-        part, linear = _feature_part(feature_map, linear, xq, xk, vv, feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
+        part, linear = _feature_part(feature_map, linear, xq_f, xk_f, vv, feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
         parts.append(part)
     if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]
@@ -390,5 +422,6 @@ def continue_attention(
         real_count=state.real_count + km.long().sum(-1),
         nonfinite=nonfinite,
         seen=p0 + n,
+        win_kf=lkf_raw[:, :, big_l - keep:] if lkf_raw is not None else None,
     )
     return out, new_state

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .masks import NEG, key_mask_bool, no_autocast, sink_mask, validate_qkv
+from .masks import NEG, check_feature_inputs, key_mask_bool, no_autocast, sink_mask, validate_qkv
 from .memory import value_norm
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
@@ -83,6 +83,8 @@ def quadratic_kernel_attention(
     scale: float | None = None,
     memory: int = 0,
     memory_every: int = 64,
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The quadratic twin of :func:`hf_rfa.random_feature_attention`.
 
@@ -93,19 +95,23 @@ def quadratic_kernel_attention(
 
     ``memory > 0`` (causal only): the keys of :func:`memory_membership` are exact too (and so not
     in the feature part).
+
+    ``feature_q``/``feature_k`` (shapes of q/k, or None): what φ reads instead of q and k.
     """
     b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
+    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k, memory)
     scale = d**-0.5 if scale is None else scale
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     g = h // hkv
     qs, ks = q.to(ct) * scale**0.5, k.to(ct) * scale**0.5
+    qs_f, ks_f = (qs, ks) if feature_q is None else (feature_q.to(ct) * scale**0.5, feature_k.to(ct) * scale**0.5)
     null = getattr(feature_map, "null", False)  # 'none': no feature part, far keys get zero weight
     if null and window == 0 and sinks == 0:
         raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
     if null:
         dot = logmag = torch.zeros(b, h, nq, nk, dtype=ct, device=q.device)
     else:
-        fq, fk = feature_map.forward_queries(qs), feature_map.forward_keys(ks)
+        fq, fk = feature_map.forward_queries(qs_f), feature_map.forward_keys(ks_f)
         phi_k = _expand_kv(fk.phi, g)
         lk = _expand_kv(fk.log_scale, g) if fk.log_scale is not None else torch.zeros(phi_k.shape[:-1], dtype=ct, device=q.device)
         lq = fq.log_scale if fq.log_scale is not None else torch.zeros(fq.phi.shape[:-1], dtype=ct, device=q.device)
@@ -114,7 +120,7 @@ def quadratic_kernel_attention(
     t, s = _positions(nq, nk, q.device)
     if causal and feature_map.has_gate:
         km0 = key_mask_bool(attention_mask, b, nk, q.device)
-        logg, log1mg = feature_map.log_gate(ks)  # [B,Hkv,Nk]
+        logg, log1mg = feature_map.log_gate(ks_f)  # [B,Hkv,Nk]
         if km0 is not None:
             logg = logg * km0.view(b, 1, nk)
         cg = _expand_kv(torch.cumsum(logg, dim=-1).unsqueeze(-1), g).squeeze(-1)  # [B,H,Nk]

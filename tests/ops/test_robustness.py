@@ -224,7 +224,8 @@ def _decode(q, k, v, fm, kw, splits: list[int]) -> torch.Tensor:
     """The causal op through cached decoding (``continue_attention``), the new tokens in ``splits``."""
     b, h, n, d = q.shape
     mask = kw["attention_mask"]
-    state = DecodeState.empty(b, k.shape[1], d, v.shape[-1], getattr(fm, "feature_dim", 1), kw["sinks"] if isinstance(kw["sinks"], int) and 0 <= kw["sinks"] <= 4096 else 0, q.dtype)
+    state = DecodeState.empty(b, k.shape[1], d, v.shape[-1], getattr(fm, "feature_dim", 1), kw["sinks"] if isinstance(kw["sinks"], int) and 0 <= kw["sinks"] <= 4096 else 0, q.dtype,
+                              compute_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)  # float64 sums for the float64 check, as RFACache
     outs, i = [], 0
     for s in splits:
         o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, None if mask is None else mask[:, i:i + s],

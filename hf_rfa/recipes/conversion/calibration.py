@@ -32,6 +32,7 @@ from torch import nn
 from ... import compat
 from ...hf.attention import ATTN_NAME, _padding_mask, exact_attention, rfa_mask
 from ...hf.convert import find_attention_modules
+from ...hf.rope import ROPE_ATTR, unrotated_qk
 from ...ops import random_feature_attention
 from ...ops.backends import BACKENDS
 
@@ -45,7 +46,8 @@ class Captured:
     """What one attention layer saw in one forward (all detached).
 
     q ``[B, H, N, D]``, k/v ``[B, Hkv, N, D]``, out ``[B, H, N, Dv]`` (softmax output, before
-    the output projection), mask ``[B, N]`` bool or None, causal, scale.
+    the output projection), mask ``[B, N]`` bool or None, causal, scale; fq/fk: q and k with the
+    rotary embedding undone, for layers converted with ``feature_input="unrotated"`` (else None).
     """
 
     q: torch.Tensor
@@ -55,6 +57,30 @@ class Captured:
     mask: torch.Tensor | None
     causal: bool
     scale: float | None
+    fq: torch.Tensor | None = None
+    fk: torch.Tensor | None = None
+
+    def last_queries(self, n: int) -> "Captured":
+        """The same capture restricted to the last ``n`` queries (all keys kept)."""
+        cut = lambda x: x[:, :, -n:] if x is not None else None  # noqa: E731
+        return Captured(cut(self.q), self.k, self.v, cut(self.out), self.mask, self.causal, self.scale, cut(self.fq), self.fk)
+
+
+def feature_inputs(rfa: nn.Module, cap: Captured) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(feature_q, feature_k)`` for the op on a capture: the un-rotated q/k for a layer with
+    ``feature_input="unrotated"``, else ``(None, None)`` (the map reads q/k)."""
+    if getattr(rfa, "feature_input", "rotated") != "unrotated":
+        return None, None
+    if cap.fq is None or cap.fk is None:
+        raise ValueError("this layer was converted with feature_input='unrotated' but the capture holds no un-rotated q/k (capture it after hf_rfa.convert)")
+    return cap.fq, cap.fk
+
+
+def _unrotated(module, rfa, query, key):
+    """Un-rotated ``(q, k)`` of an attention call for a layer that wants them, else ``(None, None)``."""
+    if rfa is None or getattr(rfa, "feature_input", "rotated") != "unrotated":
+        return None, None
+    return unrotated_qk(getattr(module, ROPE_ATTR, None), query, key)
 
 
 _STORE: list[dict] = []  # stack of {id(module): (layer_idx, captures dict)}
@@ -70,7 +96,8 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
         table, captures = _STORE[-1]["index"], _STORE[-1]["captures"]
         idx = table.get(id(module))
         if idx is not None:
-            captures[idx] = Captured(query.detach(), key.detach(), value.detach(), out.detach(), mask2d, bool(causal), scaling)
+            fq, fk = _unrotated(module, getattr(module, "rfa", None), query.detach(), key.detach())
+            captures[idx] = Captured(query.detach(), key.detach(), value.detach(), out.detach(), mask2d, bool(causal), scaling, fq, fk)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -145,11 +172,12 @@ def rfa_output(rfa: nn.Module, cap: Captured, checkpoint_blocks: bool | None = N
     backend = rfa.backend
     if torch.is_grad_enabled() and backend in BACKENDS and BACKENDS[backend].inference_only:
         backend = "auto"
+    fq, fk = feature_inputs(rfa, cap)
     return random_feature_attention(
         cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask, window=rfa.window,
         sinks=rfa.sinks, scale=cap.scale, chunk_size=rfa.chunk_size, backend=backend,
         checkpoint_blocks=rfa.checkpoint_blocks if checkpoint_blocks is None else checkpoint_blocks,
-        memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64),
+        memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64), feature_q=fq, feature_k=fk,
     )
 
 

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .calibration import Captured, attn_implementation, capture, rfa_layers, rfa_output
+from .calibration import Captured, _unrotated, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
 from ...ops.masks import NEG, key_mask_bool, sink_mask
 from ...ops.reference import quadratic_kernel_attention
 
@@ -84,10 +84,12 @@ def transfer_output(rfa: nn.Module, cap: Captured, twin_max_keys: int = TWIN_MAX
     twin for at most ``twin_max_keys`` keys (see :data:`TWIN_MAX_KEYS`), else the op's autograd form
     without block recomputation (each layer's loss is back-propagated at once)."""
     if cap.k.shape[2] <= twin_max_keys:
+        fq, fk = feature_inputs(rfa, cap)
         return quadratic_kernel_attention(
             cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask,
             window=rfa.window, sinks=rfa.sinks, scale=cap.scale,
             memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64),
+            feature_q=fq, feature_k=fk,
         )
     return rfa_output(rfa, cap, checkpoint_blocks=False)
 
@@ -134,8 +136,10 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
         g = h // cap.k.shape[1]
         scale = d**-0.5 if cap.scale is None else cap.scale
         xq, xk = cap.q.float() * scale**0.5, cap.k.float() * scale**0.5
-        phi_q = fm.forward_queries(xq).phi
-        phi_k = fm.forward_keys(xk).phi.repeat_interleave(g, 1)
+        fq, fk = feature_inputs(rfa, cap)
+        xq_f, xk_f = (xq, xk) if fq is None else (fq.float() * scale**0.5, fk.float() * scale**0.5)
+        phi_q = fm.forward_queries(xq_f).phi
+        phi_k = fm.forward_keys(xk_f).phi.repeat_interleave(g, 1)
         scores = xq @ xk.repeat_interleave(g, 1).transpose(-1, -2)  # [B,H,N,N]
         _, far = _regions(cap, rfa.window, rfa.sinks)
         far = far.expand(b, h, n, n)
@@ -233,7 +237,7 @@ def attention_transfer(
             for idx, rfa in layers.items():
                 cap = caps[idx]
                 if queries is not None and cap.causal and queries < cap.q.shape[2]:
-                    cap = Captured(cap.q[:, :, -queries:], cap.k, cap.v, cap.out[:, :, -queries:], cap.mask, True, cap.scale)
+                    cap = cap.last_queries(queries)
                 pred = transfer_output(rfa, cap, twin_max_keys)
                 diff = pred.float() - cap.out.float()
                 if cap.mask is not None:
@@ -276,7 +280,8 @@ def _train_forward(module, query, key, value, attention_mask, scaling=None, drop
     causal = kwargs.pop("is_causal", None)
     if causal is None:
         causal = bool(getattr(module, "is_causal", False))
-    cap = Captured(query, key, value, None, _padding_mask(attention_mask, key.shape[2]), bool(causal), scaling)
+    fq, fk = _unrotated(module, rfa, query, key)
+    cap = Captured(query, key, value, None, _padding_mask(attention_mask, key.shape[2]), bool(causal), scaling, fq, fk)
     return rfa_output(rfa, cap).transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,86 @@
+"""Undoing the rotary position embedding, for feature maps that read position-free q/k.
+
+Models with rotary embeddings (Llama, Mistral, Qwen2, ...) rotate q and k by their absolute
+positions before the attention function sees them. ``RFAConfig(feature_input="unrotated")``
+lets the feature part read q/k *before* that rotation (a map learned on rotated q/k only knows
+the positions it was trained at). The attention module's forward receives ``position_embeddings
+= (cos, sin)``; a forward pre-hook (:func:`install_rope_hook`) keeps them on the module for the
+attention function, which undoes the rotation with :func:`unrotate`.
+
+Convention: transformers' ``apply_rotary_pos_emb`` with ``rotate_half`` (the two halves of the
+first ``Dr = cos.shape[-1]`` dims form the rotated pairs; dims beyond ``Dr`` are not rotated).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+#: attribute of the attention module holding the last forward's ``(cos, sin)`` (or None)
+ROPE_ATTR = "_hf_rfa_rope"
+
+
+def takes_position_embeddings(module: nn.Module) -> bool:
+    """True when ``module.forward`` has a ``position_embeddings`` argument (rotary models)."""
+    try:
+        return "position_embeddings" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _keep_rope(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    pe = kwargs.get("position_embeddings")
+    if pe is None and len(args) > 1 and isinstance(args[1], (tuple, list)):
+        pe = args[1]  # forward(hidden_states, position_embeddings, ...) called positionally
+    setattr(module, ROPE_ATTR, tuple(pe) if pe is not None else None)
+
+
+def install_rope_hook(module: nn.Module) -> None:
+    """Keep each forward's ``position_embeddings`` on ``module`` (idempotent)."""
+    if getattr(module, "_hf_rfa_rope_hook", None) is None:
+        module._hf_rfa_rope_hook = module.register_forward_pre_hook(_keep_rope, with_kwargs=True)
+    setattr(module, ROPE_ATTR, None)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo ``x·cos + rotate_half(x)·sin``: x ``[B, H, N, D]``, cos/sin ``[B or 1, N, Dr]`` (Dr ≤ D,
+    even) → ``[B, H, N, D]`` in x's dtype. Rotations with a scale (``cos² + sin² ≠ 1``, e.g.
+    YaRN's attention factor) are divided out."""
+    dr = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    xr = x[..., :dr]
+    out = (xr * cos - _rotate_half(xr) * sin) / (cos * cos + sin * sin)
+    return out if dr == x.shape[-1] else torch.cat([out, x[..., dr:]], dim=-1)
+
+
+def unrotated_qk(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query, key)`` of an attention call with the rotary embedding ``pe = (cos, sin)`` of this
+    forward (the module's :data:`ROPE_ATTR`) undone.
+
+    Raises ValueError when ``pe`` is None (the module's forward got no ``position_embeddings``)
+    or does not cover the query/key positions (e.g. a cache that hands back every past key)."""
+    if pe is None:
+        raise ValueError(
+            "feature_input='unrotated': the attention module's forward got no position_embeddings, so the rotary "
+            "embedding cannot be undone; convert with feature_input='rotated'"
+        )
+    cos, sin = pe
+    n = cos.shape[-2]
+    if query.shape[2] != n or key.shape[2] != n:
+        raise ValueError(
+            f"feature_input='unrotated': position_embeddings cover {n} positions but the attention got {query.shape[2]} "
+            f"queries and {key.shape[2]} keys (use hf_rfa's RFACache for generation, not a cache that returns every past key)"
+        )
+    if cos.shape[-1] > query.shape[-1] or cos.shape[-1] % 2:
+        raise ValueError(f"feature_input='unrotated': rotary dim {cos.shape[-1]} does not fit head dim {query.shape[-1]}")
+    return unrotate(query, cos, sin), unrotate(key, cos, sin)
+
+
+__all__ = ["ROPE_ATTR", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]

@@ -1,0 +1,124 @@
+"""``RFAConfig(feature_input="unrotated")``: the feature part of a rotary model reads q/k before
+the rotary embedding. :func:`hf_rfa.hf.rope.unrotate` inverts transformers' rotation; the
+converted model's cached decoding equals one full forward, generate() equals recomputation,
+save/load keeps the setting, captured feature inputs do not depend on absolute position,
+attention transfer and LoRA run on them, and models without rotary embeddings are refused."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import hf_rfa
+from hf_rfa.hf.rope import unrotate
+from hf_rfa.recipes import evaluation
+from hf_rfa.recipes.conversion import calibration, transfer
+from tiny_models import VOCAB, tiny_model
+from tolerances import DECODE_LOGITS
+
+SETTING = dict(feature_map="hedgehog", num_features=16, window=3, sinks=1, decay=5.0, chunk_size=4,
+               feature_map_options={"hybrid_mix": True}, feature_input="unrotated")
+
+
+def _batch(n=26, pad=5):
+    ids = torch.randint(2, VOCAB, (2, n), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+def _model(**over):
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**{**SETTING, **over}))
+    with torch.no_grad():  # as if transferred: the feature part carries real weight
+        for layer in model.model.layers:
+            layer.self_attn.rfa.feature_map.mix.fill_(2.0)
+    return model
+
+
+@pytest.mark.parametrize("rot_dim", [16, 8])
+def test_unrotate_inverts_the_rotary_embedding(rot_dim):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 11, 16, generator=g, dtype=torch.float64)
+    ang = torch.rand(2, 11, rot_dim // 2, generator=g, dtype=torch.float64) * 50
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos() * 1.3, emb.sin() * 1.3  # a scaled rotation (YaRN-style attention factor)
+    xr = x[..., :rot_dim]
+    rot, _ = apply_rotary_pos_emb(xr, xr, cos, sin)
+    rot = torch.cat([rot, x[..., rot_dim:]], -1)
+    assert (unrotate(rot, cos, sin) - x).abs().max() < 1e-12
+    assert (rot - x).abs().max() > 0.1
+
+
+FAVOR = dict(feature_map="favor+", num_features=32, window=4, sinks=2, decay=3.0, chunk_size=8, feature_input="unrotated")
+
+
+@pytest.mark.parametrize("over", [{}, FAVOR], ids=["hedgehog", "favor+"])
+def test_cached_decoding_and_generate_match_the_full_forward(over):
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**FAVOR)) if over else _model()
+    ids, mask = _batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        rotated = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**{**FAVOR, "feature_input": "rotated"})) if over else _model(feature_input="rotated")
+        rotated.load_state_dict(model.state_dict())
+        if over:  # the setting is used (a tiny model's logits barely move with a learned map's init)
+            assert (rotated(ids, attention_mask=mask).logits - full)[mask.bool()].abs().max() > 10 * DECODE_LOGITS
+        cache = hf_rfa.RFACache(model)
+        outs, t = [], 0
+        for step in (7, 5) + (1,) * (ids.shape[1] - 12):
+            outs.append(model(ids[:, t:t + step], attention_mask=mask[:, :t + step], cache=cache, use_cache=True).logits)
+            t += step
+        assert (torch.cat(outs, 1) - full)[mask.bool()].abs().max().item() <= DECODE_LOGITS
+        short_ids, short_mask = _batch(n=14, pad=3)
+        out = model.generate(short_ids, attention_mask=short_mask, max_new_tokens=10, do_sample=False)
+        assert torch.equal(out, model.generate(short_ids, attention_mask=short_mask, max_new_tokens=10, do_sample=False, use_cache=False))
+
+
+def test_save_load_keeps_the_setting(tmp_path):
+    model = _model()
+    ids, mask = _batch(n=12, pad=2)
+    model.save_pretrained(tmp_path)
+    again = hf_rfa.from_pretrained(str(tmp_path), type(model))
+    assert hf_rfa.RFAConfig.from_dict(again.config.rfa_config).feature_input == "unrotated"
+    assert again.model.layers[0].self_attn.rfa.feature_input == "unrotated"
+    with torch.no_grad():
+        assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+def test_captured_feature_inputs_do_not_depend_on_position():
+    model = _model()
+    ids, _ = _batch(n=20)
+    at0 = calibration.capture(model, ids)
+    at500 = calibration.capture(model, ids, position_ids=torch.arange(500, 520).expand(2, 20))
+    for idx in at0:
+        assert (at0[idx].fq - at500[idx].fq).abs().max() < 1e-4
+        assert (at0[idx].fk - at500[idx].fk).abs().max() < 1e-4
+        assert (at0[idx].q - at500[idx].q).abs().max() > 1e-2  # the rotated ones do
+    assert (at0[0].fq - at0[0].q).abs().max() > 1e-2
+
+
+def test_transfer_twin_and_op_agree_and_transfer_and_lora_run():
+    model = _model()
+    ids = torch.randint(2, VOCAB, (32 * 6,), generator=torch.Generator().manual_seed(1))
+    caps = calibration.capture(model, ids[:32][None])
+    for idx, rfa in calibration.rfa_layers(model).items():
+        with torch.no_grad():
+            twin = transfer.transfer_output(rfa, caps[idx], twin_max_keys=10**6)
+            op = transfer.transfer_output(rfa, caps[idx], twin_max_keys=0)
+        assert (twin - op).abs().max() < 1e-5
+    fm = model.model.layers[0].self_attn.rfa.feature_map
+    before = [p.detach().clone() for p in fm.parameters()]
+    res = transfer.attention_transfer(model, evaluation.shuffled_batches(ids, 32, 1, seed=0), tokens=32 * 3, lr=3e-2, progress=False)
+    assert res.steps == 3
+    assert any((p - b).abs().max() > 1e-4 for p, b in zip(fm.parameters(), before))
+    trained, stats = transfer.lora_finetune(model, evaluation.shuffled_batches(ids, 32, 1, seed=1), 64, progress=False)
+    assert stats.tokens >= 64
+    with torch.no_grad():
+        assert torch.isfinite(trained(ids[:32][None]).logits).all()
+
+
+def test_models_without_rotary_embeddings_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match="feature_input='unrotated' needs rotary"):
+        hf_rfa.convert(tiny_model("gpt2"), hf_rfa.RFAConfig(window=4, feature_input="unrotated"))
+    with pytest.raises(ValueError, match="feature_input must be one of"):
+        hf_rfa.RFAConfig(feature_input="pre-rope")
+    with pytest.raises(ValueError, match="memory"):
+        hf_rfa.RFAConfig(window=4, memory=8, feature_input="unrotated")
