@@ -2,13 +2,17 @@
 
 1. prepares the offline assets (:mod:`hf_rfa.assets`): SmolLM2-135M-Instruct from its GGUF,
    the Wikipedia articles split into disjoint calibration / train / eval files;
-2. converts SmolLM2 to a hybrid — exact window of 256 + 4 exact sink tokens + FAVOR+ (m=256) for
-   every other key — and LoRA-tunes it on 8,192 train tokens (a token budget: the 30-min limit is
-   only a safety limit that fails the run);
+2. converts SmolLM2 to a hybrid — exact window of 64 + 4 exact sink tokens + a learned Hedgehog map
+   (m=64, 128 features) for every other key, reading q/k before the rotary embedding
+   (``feature_input="unrotated"``), with a learned decay of the feature state (half-life 128 at
+   start) — trains the map by attention transfer on 65,536 train tokens, then LoRA-tunes the model
+   on 8,192 (token budgets: the 30-min limits are only safety limits that fail the run);
 3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
-   every other key dropped, its own LoRA with the same budget), the strongest trivial baseline;
-4. evaluates every variant (original / window-only untrained and after LoRA / hybrid untrained and
-   after LoRA) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
+   every other key dropped, its own LoRA with the same budget), the strongest trivial baseline, and
+   for **window-only 128 + 4** after LoRA: the window with as many decode-state numbers per layer
+   as window 64 plus the feature state;
+4. evaluates every variant (original / window-only untrained and after LoRA / window-only 128 after
+   LoRA / hybrid after transfer and after transfer + LoRA) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
    4,096 and 8,192 predicted tokens), the copy task at gaps 512 and 3,584 (2 seeded draws each)
    and, for the original and the trained variants, passkey retrieval at 1,024 tokens (4 trials × 3
    depths). These budgets keep ``make main`` within 30 min on a 2-core CPU; the larger long-range
@@ -29,7 +33,9 @@ import time
 
 
 DEFAULT = [
-    "--feature-map", "favor+", "--num-features", "256", "--window", "256", "--sinks", "4", "--no-baselines",
+    "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4", "--decay", "128",
+    "--feature-input", "unrotated", "--transfer-tokens", "65536", "--transfer-minutes", "30", "--no-evaluate-before-transfer",
+    "--baseline-windows", "128", "--no-baselines",
     "--context", "1024", "--lora-tokens", "8192", "--lora-context", "1024", "--lora-minutes", "30",
     "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",
     "--copy-gaps", "512", "3584", "--copy-draws", "2", "--passkey-lengths", "1024", "--passkey-trials", "4",

@@ -251,6 +251,29 @@ def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_di
     assert saved["long_range"][0]["variant"] == "original (softmax)"
 
 
+def test_main_job_shaped_run_has_the_equal_state_baseline_and_skips_the_untransferred_map(tiny_dir, tmp_path):
+    """The main job's shape on a tiny Llama: a learned map on un-rotated q/k with a decay, a second
+    window-only baseline (``baseline_windows``) after its own LoRA, no evaluation of the map before
+    transfer (``evaluate_before_transfer=False``); the export loads back with the setting."""
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["llama"], output=str(tmp_path / "out"),
+        rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated"),
+        transfer_tokens=128, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, baseline_windows=[8],
+        evaluate_before_transfer=False, generate_prompt=None, progress=False,
+    )
+    rep = pipeline.run(cfg)
+    names = [r["variant"] for r in rep["rows"]]
+    wo = "window-only: window 4 + sinks 1, no features"
+    label = "hedgehog m=8 + window 4 + sinks 1 + decay 16, un-rotated q/k"
+    assert names == ["original (softmax)", f"{wo}, untrained", f"{wo}, after LoRA", "window-only: window 8 + sinks 1, no features, after LoRA",
+                     f"{label}, after attention transfer", f"{label}, after transfer + LoRA"]
+    assert rep["stages"]["lora (window-only 8)"]["tokens"] == rep["stages"]["lora"]["tokens"] >= 64
+    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
+    assert hf_rfa.rfa_config_of(model).feature_input == "unrotated"
+    assert model.model.layers[0].self_attn.rfa.feature_input == "unrotated"
+
+
 def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, monkeypatch, caplog, capsys):
     """Without matplotlib the plot is skipped with one warning (checked before any stage); a failed
     --push-to-hub keeps the folder, prints the table and says how to upload."""

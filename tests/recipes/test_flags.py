@@ -30,28 +30,31 @@ def _script(path: str):
     return module
 
 
-def test_convert_defaults_are_the_main_jobs_recipe():
+def test_convert_defaults_are_the_generic_recipe():
+    """The command line's default recipe works for every model kind (FAVOR+ W256 S4); the main job
+    passes its SmolLM2 recipe explicitly (a rotary-only, causal-only setting is no CLI default)."""
     cfg = config_from_args(BASE)
     assert cfg.rfa == flags.recipe_config() == RFAConfig(feature_map="favor+", num_features=256, window=256, sinks=4)
     assert cfg.lora_tokens == 8192
     main_job = _script("conversion/main_job.py")
-    given = dict(zip(main_job.DEFAULT[::2], main_job.DEFAULT[1::2]))
-    for key in ("feature_map", "num_features", "window", "sinks"):
-        assert given[f"--{key.replace('_', '-')}"] == str(flags.RECIPE[key])
+    quick = dict(zip(main_job.QUICK[::2], main_job.QUICK[1::2]))
+    assert quick["--feature-map"] == str(flags.RECIPE["feature_map"])
 
 
-def test_main_job_flags_give_the_same_config_as_before():
-    """The main job passes its flags explicitly: the parsed config is the one argparse gave."""
+def test_main_job_flags_give_the_expected_config():
+    """The main job passes its flags explicitly: the parsed config is the one it documents."""
     main_job = _script("conversion/main_job.py")
     cfg = config_from_args([*main_job.DEFAULT, *BASE])
     expected = ConversionConfig(
         model="m", output="o", calibration_text="c", eval_text="e",
-        rfa=RFAConfig(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0), baselines=False,
+        rfa=RFAConfig(feature_map="hedgehog", num_features=64, window=64, sinks=4, seed=0, decay=128.0, feature_input="unrotated"),
+        baselines=False, transfer_tokens=65536, transfer_minutes=30.0, evaluate_before_transfer=False, baseline_windows=[128],
         context=1024, lora_tokens=8192, lora_context=1024, lora_minutes=30.0, eval_contexts=[1024, 4096, 8192],
         eval_tokens=4096, error_tokens=1024, eval_twin_max=0, copy_gaps=[512, 3584], copy_draws=2,
-        passkey_lengths=[1024], passkey_trials=4, transfer_tokens=500_000,
+        passkey_lengths=[1024], passkey_trials=4,
     )
     assert cfg == expected
+    assert main_job.DEFAULT.count("--transfer-tokens") == 1  # a token budget, the minutes only a safety limit
     quick = config_from_args([*main_job.QUICK, *BASE])
     assert (quick.rfa.num_features, quick.rfa.window, quick.random_hybrid, quick.lora_context) == (128, 64, False, 256)
 

@@ -40,6 +40,8 @@ class ConversionConfig:
     error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
     eval_sentences: int = field(default=1000, metadata={"help": "encoders: held-out sentences for embedding cosine / accuracy"})
     window_only_baseline: bool = field(default=True, metadata={"help": "causal hybrids: also evaluate feature_map='none' (same window and sinks, far keys dropped) untrained and after its own LoRA with the same budget"})
+    baseline_windows: list[int] = field(default_factory=list, metadata={"help": "causal: more window-only baselines (feature_map='none', the recipe's sinks) at these windows, each after its own LoRA with the same budget, e.g. the window holding as many decode-state numbers as the recipe's window + feature state (empty: none)"})
+    evaluate_before_transfer: bool = field(default=True, metadata={"help": "learned maps: also evaluate the converted model before attention transfer (its map is an untrained initialisation)"})
     copy_gaps: list[int] = field(default_factory=list, metadata={"help": "long range: copy task at these gaps, every variant (e.g. 512 3584; empty: skip)"})
     copy_draws: int = field(default=8, metadata={"help": "long range: seeded draws of the copy task"})
     passkey_lengths: list[int] = field(default_factory=list, metadata={"help": "long range: passkey retrieval at these prompt lengths, original and trained variants (empty: skip)"})
@@ -64,7 +66,7 @@ class ConversionConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.rfa, RFAConfig):
             raise ValueError(f"rfa must be an RFAConfig, got {type(self.rfa).__name__}")
-        for name in ("copy_gaps", "passkey_lengths"):
+        for name in ("copy_gaps", "passkey_lengths", "baseline_windows"):
             v = getattr(self, name)
             if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
                 raise ValueError(f"{name} must be a list of ints >= 1, got {v!r}")

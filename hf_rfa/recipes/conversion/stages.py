@@ -127,6 +127,18 @@ def window_only_baseline(s: State) -> None:
     s.stages["lora (window-only)"] = res.as_dict()
     s.baseline = f"{label}, after LoRA"
     evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
+    del trained
+    for w in cfg.baseline_windows:  # e.g. the equal-decode-state window: trained rows only
+        if w == window:
+            continue
+        convert(s.model, RFAConfig(feature_map="none", window=w, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
+        trained, res = transfer.lora_finetune(
+            copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
+            max_seconds=_max_seconds(cfg.lora_minutes),
+        )
+        s.stages[f"lora (window-only {w})"] = res.as_dict()
+        evaluate(s, f"window-only: window {w} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features, after LoRA", res.as_dict(), of=trained, passkey=True)
+        del trained
 
 
 # --------------------------------------------------------------------------- the converted model
@@ -140,6 +152,8 @@ def convert_target(s: State) -> None:
         s.label += f" + memory {s.target.memory}"
     if s.target.decay:
         s.label += f" + decay {s.target.decay:g}"
+    if s.target.feature_input == "unrotated":
+        s.label += ", un-rotated q/k"
 
 
 def _trainable(s: State) -> bool:
@@ -159,10 +173,12 @@ def _mixing_batch(s: State):
 
 
 def evaluate_untrained(s: State) -> None:
-    """Per-layer errors and quality of the converted, untrained model."""
+    """Per-layer errors and quality of the converted, untrained model (a learned map that attention
+    transfer will train: only with ``evaluate_before_transfer``)."""
     s.layer_errors(f"{s.label}, untrained")
     s.final = f"{s.label}, untrained"
-    evaluate(s, s.final)
+    if s.cfg.evaluate_before_transfer or not (_trainable(s) and s.cfg.transfer_tokens > 0):
+        evaluate(s, s.final)
 
 
 def attention_transfer(s: State) -> None:
