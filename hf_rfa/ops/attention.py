@@ -64,7 +64,9 @@ def random_feature_attention(
             band/sinks of a hybrid keep only their inputs (and the scan's state per 512-token
             block) and recompute each block in backward (:mod:`hf_rfa.ops.recompute`):
             activation memory O(N·D) instead of O(N·(m + W)); ~one extra forward of compute.
-            False: the autograd forms (everything saved).
+            A causal hybrid (window and/or sinks with the feature part) runs as one Function
+            that keeps q, k, v once and recomputes band, scan and merge per block
+            (:mod:`hf_rfa.ops.hybrid_recompute`). False: the autograd forms (everything saved).
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
             ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.

@@ -342,10 +342,6 @@ def _scatter_band_grads(spec: HybridSpec, unit, pb, ps, q6, kbu, vbu, ks, vs, dn
     plan = spec.plan
     t0, t1, c0, c1, _ = unit
     L, c, rows = c1 - c0, plan.c, (c1 - c0) * plan.c
-    if dnum_b is None and dden_b is None:
-        return
-    dnum_b = dnum_b if dnum_b is not None else q6.new_zeros(plan.b, plan.hkv, plan.g, t1 - t0, vbu.shape[-2] if vbu is not None else vs.shape[-1])
-    dden_b = dden_b if dden_b is not None else q6.new_zeros(plan.b, plan.hkv, plan.g, t1 - t0)
     dn6 = _rows(_window_slice(dnum_b, 0, rows, 3), L, c)
     dd6 = _rows(_window_slice(dden_b, 0, rows, 3).unsqueeze(-1), L, c)
     dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)

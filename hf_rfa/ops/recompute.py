@@ -9,7 +9,9 @@ and save only their inputs (and, for the scan, the ``[F, Dv+1]`` state entering 
 backward walks the blocks again (the scan in reverse, carrying the state's gradient), recomputes
 one block with autograd on block-local leaves and accumulates its input gradients. Peak extra
 memory is one block's graph. The gradients are those of the autograd forms, which stay the
-reference twins (``tests/test_recompute.py``; float64 gradcheck).
+reference twins (``tests/test_recompute.py``; float64 gradcheck). A causal hybrid in training
+combines both in one Function that keeps q, k, v once (:mod:`hf_rfa.ops.hybrid_recompute`, which
+reuses :func:`band_block_grads` and :func:`_scan_block`).
 """
 
 from __future__ import annotations
