@@ -68,11 +68,11 @@ def _has_hybrid_function(out: torch.Tensor) -> bool:
     return False
 
 
-def _grads(fm, tensors, up, ckpt, **kw):
+def _grads(fm, tensors, up, ckpt, chunk_size=4, **kw):
     """Output and gradients (q, k, v, then every parameter of the map) of ``(op * up).sum()``."""
     fm.zero_grad()
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    out = hf_rfa.random_feature_attention(*leaves, fm, chunk_size=4, checkpoint_blocks=ckpt, **kw)
+    out = hf_rfa.random_feature_attention(*leaves, fm, chunk_size=chunk_size, checkpoint_blocks=ckpt, **kw)
     assert _has_hybrid_function(out) == ckpt
     (out * up).sum().backward()
     return [out] + [t.grad for t in leaves] + [None if p.grad is None else p.grad.clone() for p in fm.parameters()]
@@ -128,6 +128,16 @@ def test_hybrid_function_matches_autograd_form_float64(case, small_blocks):
     got = _grads(fm, (q, k, v), up, True, **kw)
     assert got[0].dtype == torch.float64
     _close(got, want, GRAD_FP64)
+
+
+@pytest.mark.parametrize("chunk_size", [6, 64], ids=["chunk6-blocks12", "chunk>N"])
+def test_chunk_sizes_the_blocks_do_not_divide(chunk_size, small_blocks):
+    """Blocks of 12 tokens (chunk 6, block 16 rounded down) or one chunk longer than N."""
+    q, k, v, mask = _inputs()
+    fm = _fm("favor+", decay=True)
+    up = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=mask, window=7, sinks=2, chunk_size=chunk_size)
+    _close(_grads(fm, (q, k, v), up, True, **kw), _grads(fm, (q, k, v), up, False, **kw), GRAD_FP32)
 
 
 def test_queries_fewer_than_keys(small_blocks):
