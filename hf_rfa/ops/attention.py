@@ -16,6 +16,7 @@ from .backends import honoured, native, resolve
 from .bidirectional import bidirectional_feature_attention
 from .fused import causal_feature_attention
 from .hybrid import exact_local
+from .hybrid_recompute import hybrid_attention
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import check_memory_args, memory_attention
@@ -65,7 +66,9 @@ def random_feature_attention(
             band/sinks of a hybrid keep only their inputs (and the scan's state per 512-token
             block) and recompute each block in backward (:mod:`hf_rfa.ops.recompute`):
             activation memory O(N·D) instead of O(N·(m + W)); ~one extra forward of compute.
-            False: the autograd forms (everything saved).
+            A causal hybrid (window and/or sinks with the feature part) runs as one Function
+            that keeps q, k, v once and recomputes band, scan and merge per block
+            (:mod:`hf_rfa.ops.hybrid_recompute`). False: the autograd forms (everything saved).
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
             ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
@@ -149,6 +152,10 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     fk_in = k if feature_k is None else feature_k
     n = q.shape[2]
     root = scale**0.5
+    # (feature inputs other than q/k: the separate band and scan Functions below, which save more)
+    if feature_q is None and _hybrid_function_applies(q, k, v, feature_map, causal, window, sinks, checkpoint_blocks, be, native_band):
+        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size)
+        return to_output_dtype(out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     # causal feature part: features are computed block by block inside causal_feature_attention
     # (which also converts and scales q, k, v block by block), never for the whole sequence at
     # once; with a window the *raw* keys and values are shifted by W first (D wide, not F)
@@ -234,6 +241,33 @@ def _kv_poison(bad_k: torch.Tensor, km, causal: bool, g: int, nq: int) -> torch.
     else:
         rows = bad_k.any(-1, keepdim=True).expand_as(bad_k)
     return rows.repeat_interleave(g, 1)[..., -nq:]
+
+
+def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool) -> bool:
+    """Whether the call is a causal hybrid in training with ``checkpoint_blocks``: it then runs as
+    one recomputing :class:`~hf_rfa.ops.hybrid_recompute.HybridFunction` (q, k, v saved once)."""
+    if not (causal and checkpoint_blocks and (window > 0 or sinks > 0)) or be != "torch":
+        return False
+    if native_band:  # the band's inputs need no gradient: its compiled kernel answers it
+        return False
+    params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
+    return needs_grad(q, k, v, *params)
+
+
+def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int) -> torch.Tensor:
+    """:func:`_attention` for a causal hybrid in training (:func:`_hybrid_function_applies`):
+    ``[B,Hkv,G,N,Dv]`` in the compute dtype."""
+    b, n = q.shape[0], q.shape[2]
+    feature = window < n and not getattr(feature_map, "null", False)
+    feat_mask = lq_add = lk_add = None
+    if feature:
+        feat_mask = km if km is not None else torch.ones(b, n, dtype=torch.bool, device=q.device)
+        if sinks > 0:
+            feat_mask = feat_mask & ~sink_mask(km, b, n, sinks, q.device)
+        if feature_map.has_gate:
+            ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+            lk_add, lq_add = _gate_terms(feature_map, k.to(ct) * scale**0.5, km)
+    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature)
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,9 @@ and save only their inputs (and, for the scan, the ``[F, Dv+1]`` state entering 
 backward walks the blocks again (the scan in reverse, carrying the state's gradient), recomputes
 one block with autograd on block-local leaves and accumulates its input gradients. Peak extra
 memory is one block's graph. The gradients are those of the autograd forms, which stay the
-reference twins (``tests/test_recompute.py``; float64 gradcheck).
+reference twins (``tests/test_recompute.py``; float64 gradcheck). A causal hybrid in training
+combines both in one Function that keeps q, k, v once (:mod:`hf_rfa.ops.hybrid_recompute`, which
+reuses :func:`band_block_grads` and :func:`_scan_block`).
 """
 
 from __future__ import annotations
@@ -161,6 +163,42 @@ def _overlap_add(x: torch.Tensor, c: int, length: int) -> torch.Tensor:
     return out[:, :, :length]
 
 
+def band_numden(pb, ps, vbu, vs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's exact ``(num [B,Hkv,L,G·C,Dv], den [B,Hkv,L,G·C])`` (rows of :func:`_rows`)
+    from the probabilities of :func:`_band_tiles`, the band values ``vbu [B,Hkv,L,Dv,Kw]`` and the
+    sinks' ``vs [B,Hkv,S,Dv]`` (None where absent)."""
+    num = torch.matmul(pb, vbu.transpose(-1, -2)) if pb is not None else None
+    if ps is not None:
+        ns = torch.matmul(ps, vs.unsqueeze(2))
+        num = ns if num is None else num.add_(ns)
+    den = pb.sum(-1) if pb is not None else None
+    if ps is not None:
+        den = ps.sum(-1) if den is None else den.add_(ps.sum(-1))
+    return num, den
+
+
+def band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c: int):
+    """Backward of one block of the exact part from the gradients of its rows' ``num``
+    (``dn6 [B,Hkv,L,G·C,Dv]``) and ``den`` (``dd6 [B,Hkv,L,G·C,1]``): ds = p ⊙ (dnum·vᵀ + dden),
+    dq = ds·k, dk = dsᵀ·q, dv = pᵀ·dnum. Returns ``(dq6 [B,Hkv,L,G·C,D], dk_band, dv_band
+    [B,Hkv,T+left+right,·] | None, dk_sinks, dv_sinks [B,Hkv,S,·] | None)`` — the band's key
+    gradients already overlap-added over the padded span of :func:`_band_tiles`."""
+    dq6 = gk = gv = gks = gvs = None
+    if pb is not None:
+        length = (pb.shape[2] - 1) * c + pb.shape[-1]  # the padded span: T + left + right
+        ds = torch.matmul(dn6, vbu).add_(dd6).mul_(pb)  # [B,Hkv,L,G·C,Kw]
+        dq6 = torch.matmul(ds, kbu.transpose(-1, -2))
+        gk = _overlap_add(torch.matmul(ds.transpose(-1, -2), q6), c, length)  # from [B,Hkv,L,Kw,D]
+        gv = _overlap_add(torch.matmul(pb.transpose(-1, -2), dn6), c, length)  # from [B,Hkv,L,Kw,Dv]
+    if ps is not None:
+        dss = torch.matmul(dn6, vs.unsqueeze(2).transpose(-1, -2)).add_(dd6).mul_(ps)  # [B,Hkv,L,G·C,S]
+        dqs = torch.matmul(dss, ks.unsqueeze(2))
+        dq6 = dqs if dq6 is None else dq6.add_(dqs)
+        gks = torch.matmul(dss.transpose(-1, -2), q6).sum(2)
+        gvs = torch.matmul(ps.transpose(-1, -2), dn6).sum(2)
+    return dq6, gk, gv, gks, gvs
+
+
 def _band_apply(plan: BandPlan, xq, xk, v, dnum=None, dden=None):
     """Forward ``(num, den, ls)`` of the exact part over all blocks, or, with the output gradients
     ``dnum [B,Hkv,G,N,Dv]``/``dden [B,Hkv,G,N]``, its backward ``(dxq, dxk, dv)``: probabilities
@@ -197,33 +235,20 @@ def _band_apply(plan: BandPlan, xq, xk, v, dnum=None, dden=None):
         vb = vp[:, :, span] if vp is not None else None
         pb, ps, r, kbu, vbu = _band_tiles(plan, c0, c1, q6, kb, vb, ks, vs)
         if not grad:
-            num = torch.matmul(pb, vbu.transpose(-1, -2)) if pb is not None else None
-            if ps is not None:
-                ns = torch.matmul(ps, vs.unsqueeze(2))
-                num = ns if num is None else num.add_(ns)
-            den = pb.sum(-1) if pb is not None else None
-            if ps is not None:
-                den = ps.sum(-1) if den is None else den.add_(ps.sum(-1))
+            num, den = band_numden(pb, ps, vbu, vs)
             nums.append(_unrows(num, g, c))
             dens.append(_unrows(den.unsqueeze(-1), g, c).squeeze(-1))
             lss.append(_unrows(r.unsqueeze(-1), g, c).squeeze(-1))
             continue
         dn6 = _rows(dnum[:, :, :, rows], L, c)  # [B,Hkv,L,G·C,Dv]
         dd6 = _rows(dden[:, :, :, rows].unsqueeze(-1), L, c)  # [B,Hkv,L,G·C,1]
-        dq6 = None
-        if pb is not None:
-            ds = torch.matmul(dn6, vbu).add_(dd6).mul_(pb)  # [B,Hkv,L,G·C,Kw]
-            dq6 = torch.matmul(ds, kbu.transpose(-1, -2))
-            gk = torch.matmul(ds.transpose(-1, -2), q6)  # [B,Hkv,L,Kw,D]
-            gv = torch.matmul(pb.transpose(-1, -2), dn6)  # [B,Hkv,L,Kw,Dv]
-            dkp[:, :, span] += _overlap_add(gk, c, span.stop - span.start)
-            dvp[:, :, span] += _overlap_add(gv, c, span.stop - span.start)
-        if ps is not None:
-            dss = torch.matmul(dn6, vs.unsqueeze(2).transpose(-1, -2)).add_(dd6).mul_(ps)  # [B,Hkv,L,G·C,S]
-            dqs = torch.matmul(dss, ks.unsqueeze(2))
-            dq6 = dqs if dq6 is None else dq6.add_(dqs)
-            dks += torch.matmul(dss.transpose(-1, -2), q6).sum(2)
-            dvs += torch.matmul(ps.transpose(-1, -2), dn6).sum(2)
+        dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)
+        if gk is not None:
+            dkp[:, :, span] += gk
+            dvp[:, :, span] += gv
+        if gks is not None:
+            dks += gks
+            dvs += gvs
         dq[:, :, :, rows] = _unrows(dq6, g, c)
     if not grad:
         num, den, ls = (torch.cat(x, dim=-2 if x is nums else -1) if len(x) > 1 else x[0] for x in (nums, dens, lss))

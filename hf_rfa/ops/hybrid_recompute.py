@@ -1,0 +1,358 @@
+"""The causal hybrid in training as ONE recomputing :class:`torch.autograd.Function`.
+
+The autograd-connected pieces of a checkpointed causal hybrid (:class:`~hf_rfa.ops.recompute.
+BandFunction` for the exact window/sinks, :class:`~hf_rfa.ops.recompute.ScanFunction` for the
+feature scan, then :func:`~hf_rfa.ops.partial.merge` and :func:`~hf_rfa.ops.partial.finalize`)
+each keep their own inputs: the √scale-multiplied queries/keys of the band, the window-shifted
+keys/values of the scan, and the two parts' numerators and denominators for the merge — about
+three times q, k, v per layer. :class:`HybridFunction` keeps q, k, v once (in their own dtype),
+the O(N) masks and gate terms, and the scan's ``[F, Dv+1]`` state entering each block.
+
+Forward runs, block by block without a graph: the exact band (:func:`~hf_rfa.ops.recompute.
+_band_tiles`), the feature scan (:func:`~hf_rfa.ops.recompute._scan_block`) on keys delayed by
+the window (index arithmetic on k and v, no shifted copy), merge and finalize. Backward walks the
+blocks in reverse: it recomputes the block's scan with autograd from its saved state (carrying the
+state's gradient, as ``ScanFunction``), the band's probabilities, and merge + finalize with
+autograd on the band's block-local num/den; the band's input gradients are then the hand-written
+ones of :func:`~hf_rfa.ops.recompute.band_block_grads`. Features, states and sums are float32
+(float64 inputs stay float64). The reference twin is the autograd form (``checkpoint_blocks=
+False``; ``tests/ops/test_hybrid_recompute.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .hybrid import BandPlan, band_plan
+from .partial import Partial, finalize, merge
+from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden
+from .recurrent import LinearState
+from .scan import ScanSpec, plan_blocks, state_matrix
+
+
+@dataclass
+class HybridSpec:
+    """What :class:`HybridFunction` needs besides tensors: the band's layout ``plan``, the feature
+    scan's ``scan`` (None: no feature part — window ≥ N or the ``none`` map), the blocks
+    ``units`` as ``(t0, t1, c0, c1, scan block indices)`` (tokens ``[t0, t1)``, query chunks
+    ``[c0, c1)`` of the band), the window W, √scale ``root``, the normaliser floor ``eps`` and
+    the compute dtype ``ct``."""
+
+    plan: BandPlan
+    scan: ScanSpec | None
+    units: list[tuple[int, int, int, int, list[int]]]
+    window: int
+    root: float
+    eps: float
+    ct: torch.dtype
+
+
+def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True) -> torch.Tensor:
+    """Causal hybrid (exact window + sinks, feature map for the other keys) by
+    :class:`HybridFunction`: ``q [B,H,N,D]``, ``k [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]``,
+    ``key_mask [B,N]`` bool or None (padding), ``feat_mask [B,N]`` bool (keys the feature part
+    answers: real and not sinks; required with ``feature``), ``window`` < N when ``feature``,
+    gate terms ``lq_add [B,Hkv,1|G,N]`` / ``lk_add [B,Hkv,N]`` (unshifted) or None. ``feature``
+    False: the exact part alone. Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
+    b, h, n, d = q.shape
+    hkv = k.shape[1]
+    if window < 0 or sinks < 0 or (window == 0 and sinks == 0):
+        raise ValueError(f"window and sinks must be >= 0 with at least one > 0, got window={window}, sinks={sinks}")
+    if feature and window >= n:
+        raise ValueError(f"window must be < N with a feature part, got window={window}, N={n}")
+    if feature and (feat_mask is None or tuple(feat_mask.shape) != (b, n) or feat_mask.dtype != torch.bool):
+        raise ValueError(f"feat_mask must be a bool [B, N] = [{b}, {n}] tensor with a feature part, got {None if feat_mask is None else (tuple(feat_mask.shape), feat_mask.dtype)}")
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    plan = band_plan(q.unflatten(1, (hkv, h // hkv)), key_mask, window, sinks, True, chunk_size, block_size)
+    scan = None
+    params: tuple = ()
+    if feature:
+        with torch.no_grad():
+            probe = feature_map.forward_keys(k[:, :, :1].to(ct) * scale**0.5)
+        scaled = probe.log_scale is not None or lk_add is not None
+        scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct)
+        if isinstance(feature_map, torch.nn.Module):
+            params = tuple(p for p in feature_map.parameters() if p.requires_grad)
+    spec = HybridSpec(plan, scan, _units(plan, scan), window, scale**0.5, feature_map.eps, ct)
+    return HybridFunction.apply(spec, q, k, v, feat_mask if feature else None, lq_add, lk_add, *params)
+
+
+def _units(plan: BandPlan, scan: ScanSpec | None) -> list[tuple[int, int, int, int, list[int]]]:
+    """The band's blocks as token ranges, each with the scan blocks it covers (the two plans cut
+    at the same multiples of the block length; the scan may split the last one in two)."""
+    starts, t = [], 0
+    for size, _ in scan.plan if scan is not None else []:
+        starts.append(t)
+        t += size
+    units = []
+    for c0, c1 in plan.blocks():
+        t0, t1 = c0 * plan.c, min(c1 * plan.c, plan.n)
+        idx = [i for i, s in enumerate(starts) if t0 <= s < t1]
+        if idx and starts[idx[-1]] + scan.plan[idx[-1]][0] != t1:
+            raise RuntimeError(f"scan blocks {scan.plan} do not align with the band's block [{t0}, {t1})")
+        units.append((t0, t1, c0, c1, idx))
+    return units
+
+
+def _window_slice(x: torch.Tensor | None, start: int, stop: int, dim: int, fill=0) -> torch.Tensor | None:
+    """``x`` at positions ``[start, stop)`` along ``dim``, positions outside ``[0, len)`` filled
+    with ``fill`` (a delayed key block: ``start = t0 − W``). A view when nothing is filled."""
+    if x is None:
+        return None
+    n = x.shape[dim]
+    lo, hi = min(max(start, 0), n), max(min(stop, n), 0)
+    body = x.narrow(dim, lo, max(hi - lo, 0))
+    front = max(0, min(stop, 0) - start)  # positions < 0
+    back = max(0, stop - max(start, n))  # positions >= len
+    if front == 0 and back == 0:
+        return body
+    pieces = []
+    for size in (front, back):
+        shape = list(x.shape)
+        shape[dim] = size
+        pieces.append(torch.full(shape, fill, dtype=x.dtype, device=x.device))
+    return torch.cat([pieces[0], body, pieces[1]], dim=dim)
+
+
+def _add_window(dst: torch.Tensor, grad: torch.Tensor, start: int, dim: int) -> None:
+    """``dst[start : start + len(grad)] += grad`` along ``dim``, the part outside ``dst`` dropped
+    (the backward of :func:`_window_slice`)."""
+    n = dst.shape[dim]
+    lo, hi = max(start, 0), min(start + grad.shape[dim], n)
+    if hi > lo:
+        dst.narrow(dim, lo, hi - lo).add_(grad.narrow(dim, lo - start, hi - lo))
+
+
+def _band_unit(spec: HybridSpec, unit, xq, k, v, ks, vs):
+    """Band tiles of one block: ``xq [B,H,T,D]`` the block's queries (compute dtype, unscaled),
+    ``k``/``v`` the whole raw keys/values, ``ks``/``vs`` the sinks' (scaled keys, compute dtype).
+    Returns ``(pb, ps, r, kbu, vbu, q6, start)`` of :func:`~hf_rfa.ops.recompute._band_tiles`
+    with q6 the block's scaled query rows and ``start`` the key position of the band span's first
+    entry."""
+    plan = spec.plan
+    t0, _, c0, c1, _ = unit
+    L, c = c1 - c0, plan.c
+    rows = _window_slice(xq, 0, L * c, 2) * spec.root  # [B,H,L·C,D] (last block: padded rows)
+    q6 = _rows(rows.unflatten(1, (plan.hkv, plan.g)), L, c)
+    kb = vb = None
+    start = t0 - plan.left
+    if plan.window > 0:
+        stop = start + L * c + plan.left + plan.right
+        kb = _window_slice(k, start, stop, 2).to(spec.ct) * spec.root
+        vb = _window_slice(v, start, stop, 2).to(spec.ct)
+    pb, ps, r, kbu, vbu = _band_tiles(plan, c0, c1, q6, kb, vb, ks, vs)
+    return pb, ps, r, kbu, vbu, q6, start
+
+
+def _band_partial(spec: HybridSpec, unit, pb, ps, r, vbu, vs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's exact ``(num [B,Hkv,G,T,Dv], den, ls [B,Hkv,G,T])`` from its tiles."""
+    t0, t1 = unit[0], unit[1]
+    g, c = spec.plan.g, spec.plan.c
+    num, den = band_numden(pb, ps, vbu, vs)
+    num = _unrows(num, g, c)[..., : t1 - t0, :]
+    den = _unrows(den.unsqueeze(-1), g, c)[..., : t1 - t0, 0]
+    ls = _unrows(r.unsqueeze(-1), g, c)[..., : t1 - t0, 0]
+    return num, den, ls
+
+
+def _feature_inputs(spec: HybridSpec, unit, xq, k, v, feat_mask, lq_add, lk_add) -> list:
+    """The scan's inputs for the block's queries ``[t0, t1)``: ``xq`` (the block's queries), keys,
+    values, feature mask and key gate term delayed by W (key ``t − W`` for query ``t``; none for
+    ``t < W``), the block's query gate term. Keys/values in the compute dtype."""
+    t0, t1 = unit[0], unit[1]
+    w, ct = spec.window, spec.ct
+    kb = _window_slice(k, t0 - w, t1 - w, 2).to(ct)
+    vb = _window_slice(v, t0 - w, t1 - w, 2).to(ct)
+    mb = _window_slice(feat_mask, t0 - w, t1 - w, 1, False)
+    lqb = lq_add[..., t0:t1] if lq_add is not None else None
+    lkb = _window_slice(lk_add, t0 - w, t1 - w, 2, 0.0)
+    return [xq, kb, vb, mb, lqb, lkb]
+
+
+def _feature_unit(spec: HybridSpec, unit, S, ref, inputs: list):
+    """Run the scan blocks of one unit from state ``(S, ref)``: ``(part, S', ref', states, refs)``
+    with ``part`` the feature Partial of the unit's rows and the states entering each scan block."""
+    scan = spec.scan
+    idx = unit[4]
+    sizes = [scan.plan[i][0] for i in idx]
+    cut = [torch.split(x, sizes, dim=dim) if x is not None else [None] * len(sizes) for x, dim in zip(inputs, (2, 2, 2, 1, -1, -1))]
+    outs, lss, states, refs = [], [], [], []
+    for j, i in enumerate(idx):
+        states.append(S)
+        refs.append(ref)
+        o, ls, S, ref = _scan_block(scan, scan.plan[i][1], S, ref, *(x[j] for x in cut))
+        outs.append(o)
+        lss.append(ls)
+    o = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+    ls = torch.cat(lss, dim=-1) if len(lss) > 1 else lss[0]
+    dv = o.shape[-1] - 1
+    return Partial(o[..., :dv], o[..., dv], ls), S, ref, states, refs
+
+
+def _combine(spec: HybridSpec, band: Partial, feat: Partial | None) -> torch.Tensor:
+    """``finalize(merge(band, feat))`` (the autograd form's order) → ``[B,Hkv,G,T,Dv]``."""
+    return finalize(merge(band, feat) if feat is not None else band, spec.eps)
+
+
+def _sinks(spec: HybridSpec, k, v) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sinks' scaled keys and values ``[B,Hkv,S,·]`` in the compute dtype (None without)."""
+    plan = spec.plan
+    if plan.sinks == 0:
+        return None, None
+    idx = plan.spos[:, None, :, None]
+    ks = torch.gather(k, 2, idx.expand(*k.shape[:2], plan.sinks, k.shape[-1])).to(spec.ct) * spec.root
+    vs = torch.gather(v, 2, idx.expand(*v.shape[:2], plan.sinks, v.shape[-1])).to(spec.ct)
+    return ks, vs
+
+
+def _initial_state(spec: HybridSpec, b: int, hkv: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empty scan state ``(S [B,Hkv,F,Dv+1], ref [B,Hkv])``."""
+    fdim = spec.scan.feature_map.feature_dim
+    return state_matrix(LinearState.zeros(b, hkv, fdim, dv, device=device, dtype=spec.ct), spec.scan.scaled)
+
+
+class HybridFunction(torch.autograd.Function):
+    """Causal hybrid: ``(spec, q [B,H,N,D], k [B,Hkv,N,D], v [B,Hkv,N,Dv], feat_mask [B,N] |
+    None, lq_add [B,Hkv,1|G,N] | None, lk_add [B,Hkv,N] | None, *params)`` → ``[B,Hkv,G,N,Dv]``
+    (compute dtype). ``params``: the feature map's trainable parameters. Saves q, k, v, the O(N)
+    mask and gate terms, and the scan's state entering each block (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, spec: HybridSpec, q, k, v, feat_mask, lq_add, lk_add, *params):
+        b, h, n, _ = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        out = torch.empty(b, hkv, h // hkv, n, dv, dtype=spec.ct, device=q.device)
+        states, refs = [], []
+        with torch.no_grad():
+            ks, vs = _sinks(spec, k, v)
+            S, ref = _initial_state(spec, b, hkv, dv, q.device) if spec.scan is not None else (None, None)
+            for unit in spec.units:
+                t0, t1 = unit[0], unit[1]
+                xq = q[:, :, t0:t1].to(spec.ct)
+                pb, ps, r, _, vbu, _, _ = _band_unit(spec, unit, xq, k, v, ks, vs)
+                band = Partial(*_band_partial(spec, unit, pb, ps, r, vbu, vs))
+                feat = None
+                if spec.scan is not None:
+                    feat, S, ref, st, rf = _feature_unit(spec, unit, S, ref, _feature_inputs(spec, unit, xq, k, v, feat_mask, lq_add, lk_add))
+                    states += st
+                    refs += rf
+                out[:, :, :, t0:t1] = _combine(spec, band, feat)
+        ctx.spec = spec
+        st = (torch.stack(states), torch.stack(refs)) if states else (None, None)
+        ctx.save_for_backward(q, k, v, feat_mask, lq_add, lk_add, *st)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        spec: HybridSpec = ctx.spec
+        q, k, v, feat_mask, lq_add, lk_add, states, refs = ctx.saved_tensors
+        fm = spec.scan.feature_map if spec.scan is not None else None
+        params = [p for p in fm.parameters() if p.requires_grad] if isinstance(fm, torch.nn.Module) else []
+        acc = _Grads(spec, q, k, v, lq_add, lk_add, len(params))
+        ks, vs = _sinks(spec, k, v)
+        dS = None
+        for unit in reversed(spec.units):
+            dS = _unit_backward(spec, unit, q, k, v, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc)
+        return (None, *acc.result(ctx.needs_input_grad, q, k, v, lq_add, lk_add))
+
+
+class _Grads:
+    """Input gradients of :class:`HybridFunction` accumulated over the blocks (compute dtype)."""
+
+    def __init__(self, spec: HybridSpec, q, k, v, lq_add, lk_add, nparams: int):
+        ct = spec.ct
+        self.spec = spec
+        self.dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+        self.dk = torch.zeros(k.shape, dtype=ct, device=k.device)
+        self.dv = torch.zeros(v.shape, dtype=ct, device=v.device)
+        self.dlq = torch.zeros_like(lq_add) if lq_add is not None else None
+        self.dlk = torch.zeros_like(lk_add) if lk_add is not None else None
+        self.dks = self.dvs = None
+        self.dparams: list = [None] * nparams
+
+    def result(self, needs, q, k, v, lq_add, lk_add) -> list:
+        """``(dq, dk, dv, None, dlq, dlk, *dparams)`` in the inputs' dtypes (the sinks' key and
+        value gradients scattered back to their positions)."""
+        plan = self.spec.plan
+        if self.dks is not None:
+            idx = plan.spos[:, None, :, None]
+            self.dk.scatter_add_(2, idx.expand_as(self.dks), self.dks * self.spec.root)
+            self.dv.scatter_add_(2, idx.expand_as(self.dvs), self.dvs)
+        got = [self.dq.to(q.dtype), self.dk.to(k.dtype), self.dv.to(v.dtype), None, self.dlq, self.dlk]
+        got = [g if g is not None and needs[i + 1] else None for i, g in enumerate(got)]
+        return got + self.dparams
+
+
+def _unit_backward(spec: HybridSpec, unit, q, k, v, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc: _Grads):
+    """One block of :meth:`HybridFunction.backward`: recompute, differentiate, accumulate into
+    ``acc``; returns the gradient of the state entering the block (None without a feature part)."""
+    t0, t1 = unit[0], unit[1]
+    plan = spec.plan
+    xq = q[:, :, t0:t1].to(spec.ct)
+    pb, ps, r, kbu, vbu, q6, start = _band_unit(spec, unit, xq, k, v, ks, vs)
+    num_b, den_b, ls_b = _band_partial(spec, unit, pb, ps, r, vbu, vs)
+    num_b, den_b = _leaf(num_b), _leaf(den_b)
+    feat = S_in = S_out = None
+    leaves: list = []
+    if spec.scan is not None:
+        leaves = [_leaf(x) for x in _feature_inputs(spec, unit, xq, k, v, feat_mask, lq_add, lk_add)]
+        i0 = unit[4][0]
+        S_in = states[i0].detach().requires_grad_()
+        with torch.enable_grad():
+            feat, S_out, _, _, _ = _feature_unit(spec, unit, S_in, refs[i0], leaves)
+    with torch.enable_grad():
+        out = _combine(spec, Partial(num_b, den_b, ls_b), feat)
+    live = [x for x in leaves if x is not None and x.is_floating_point()]
+    got = _grads([out, S_out], [dout[:, :, :, t0:t1], dS], [num_b, den_b, S_in, *params, *live])
+    dnum_b, dden_b, dS_in = got[:3]
+    acc.dparams = [_add(a, g_) for a, g_ in zip(acc.dparams, got[3 : 3 + len(params)])]
+    if live:
+        _scatter_feature_grads(spec, unit, leaves, got[3 + len(params) :], acc)
+    _scatter_band_grads(spec, unit, pb, ps, q6, kbu, vbu, ks, vs, dnum_b, dden_b, start, acc)
+    return dS_in
+
+
+def _scatter_feature_grads(spec: HybridSpec, unit, leaves: list, grads: list, acc: _Grads) -> None:
+    """Add the scan's block gradients (queries, delayed keys/values, gate terms) into ``acc`` at
+    their positions (keys and values of query t at key t − W)."""
+    t0, t1 = unit[0], unit[1]
+    w = spec.window
+    it = iter(grads)
+    named = {}
+    for name, x in zip(("q", "k", "v", "mask", "lq", "lk"), leaves):
+        if x is not None and x.is_floating_point():
+            named[name] = next(it)
+    if named.get("q") is not None:
+        acc.dq[:, :, t0:t1] += named["q"]
+    if named.get("k") is not None:
+        _add_window(acc.dk, named["k"], t0 - w, 2)
+    if named.get("v") is not None:
+        _add_window(acc.dv, named["v"], t0 - w, 2)
+    if named.get("lq") is not None and acc.dlq is not None:
+        acc.dlq[..., t0:t1] += named["lq"]
+    if named.get("lk") is not None and acc.dlk is not None:
+        _add_window(acc.dlk, named["lk"], t0 - w, 2)
+
+
+def _scatter_band_grads(spec: HybridSpec, unit, pb, ps, q6, kbu, vbu, ks, vs, dnum_b, dden_b, start: int, acc: _Grads) -> None:
+    """The band's hand-written backward (:func:`~hf_rfa.ops.recompute.band_block_grads`) from the
+    gradients of the block's exact ``num [B,Hkv,G,T,Dv]``/``den [B,Hkv,G,T]``, added into ``acc``."""
+    plan = spec.plan
+    t0, t1, c0, c1, _ = unit
+    L, c, rows = c1 - c0, plan.c, (c1 - c0) * plan.c
+    dn6 = _rows(_window_slice(dnum_b, 0, rows, 3), L, c)
+    dd6 = _rows(_window_slice(dden_b, 0, rows, 3).unsqueeze(-1), L, c)
+    dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)
+    dq = _unrows(dq6, plan.g, c)[..., : t1 - t0, :] * spec.root
+    acc.dq[:, :, t0:t1] += dq.flatten(1, 2)
+    if gk is not None:
+        _add_window(acc.dk, gk * spec.root, start, 2)
+        _add_window(acc.dv, gv, start, 2)
+    if gks is not None:
+        acc.dks = gks if acc.dks is None else acc.dks.add_(gks)
+        acc.dvs = gvs if acc.dvs is None else acc.dvs.add_(gvs)
+
+
+__all__ = ["HybridFunction", "HybridSpec", "hybrid_attention"]
