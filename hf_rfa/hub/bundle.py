@@ -55,6 +55,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.decode",
     "hf_rfa.ops.fused",
     "hf_rfa.ops.hybrid",
+    "hf_rfa.ops.hybrid_recompute",
     "hf_rfa.ops.linear",
     "hf_rfa.ops.masks",
     "hf_rfa.ops.memory",
