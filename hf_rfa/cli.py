@@ -159,6 +159,15 @@ def _parse_training(dataclasses: tuple, argv: list[str] | None, files: tuple[str
     return flags.parse(dataclasses, argv, config_file=config_file)
 
 
+def _end_process_group() -> None:
+    """Tear down the distributed process group (if this command started one) before exit, so
+    no rank's interpreter shutdown races gloo's threads."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def finetune_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-finetune`` / ``training/finetune.py``: the ``transformers.Trainer`` recipe."""
     from transformers import TrainingArguments
@@ -170,7 +179,10 @@ def finetune_main(argv: list[str] | None = None) -> dict:
     level = logging.INFO if training_args.process_index == 0 else logging.WARNING
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
     _log_info(level)
-    return run_trainer(model_args, data_args, rfa_args, training_args)
+    try:
+        return run_trainer(model_args, data_args, rfa_args, training_args)
+    finally:
+        _end_process_group()
 
 
 def train_accelerate_main(argv: list[str] | None = None) -> dict:
@@ -183,4 +195,7 @@ def train_accelerate_main(argv: list[str] | None = None) -> dict:
     level = logging.INFO if main_process else logging.WARNING
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
     _log_info(level)
-    return train(*args)
+    try:
+        return train(*args)
+    finally:
+        _end_process_group()

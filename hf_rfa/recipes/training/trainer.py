@@ -81,4 +81,7 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
         with open(os.path.join(training_args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
     logger.info("results: %s", {k: v for k, v in results.items() if k != "losses"})
+    # no rank leaves while rank 0 still writes the final model (a rank exiting early tore gloo down
+    # under it: "terminate called without an active exception", SIGABRT)
+    trainer.accelerator.wait_for_everyone()
     return results
