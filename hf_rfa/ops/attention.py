@@ -18,7 +18,7 @@ from .fused import causal_feature_attention
 from .hybrid import exact_local
 from .hybrid_recompute import hybrid_attention
 from .linear import bidirectional_linear, causal_linear, shift_keys
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import check_memory_args, memory_attention
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
@@ -117,12 +117,7 @@ def random_feature_attention(
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
     if feature_q is not None:  # a non-finite feature input is poisoned like its q/k (rows NaN below)
-        bad_q, bad_k = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1)
-        feature_q = torch.where(bad_q[..., None], torch.zeros_like(feature_q), feature_q)
-        feature_k = torch.where(bad_k[..., None], torch.zeros_like(feature_k), feature_k)
-        if bool(bad_q.any()) or bool(bad_k.any()):
-            rows = bad_q | _kv_poison(bad_k, km, causal, h // hkv, nq)
-            poison = rows if poison is None else poison | rows
+        feature_q, feature_k, poison = guard_feature_inputs(feature_q, feature_k, km, causal, poison)
     if memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
         out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native")
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
@@ -229,18 +224,6 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
     out = out.reshape(b, h, n, -1)[:, :, n - nq :]
     return to_output_dtype(out, out_dtype)
-
-
-def _kv_poison(bad_k: torch.Tensor, km, causal: bool, g: int, nq: int) -> torch.Tensor:
-    """Query rows ``[B, H, Nq]`` that a non-finite real key ``bad_k [B, Hkv, Nk]`` poisons (causal:
-    from its position on), as softmax would."""
-    if km is not None:
-        bad_k = bad_k & km[:, None, :]
-    if causal:
-        rows = torch.cumsum(bad_k.long(), -1) > 0
-    else:
-        rows = bad_k.any(-1, keepdim=True).expand_as(bad_k)
-    return rows.repeat_interleave(g, 1)[..., -nq:]
 
 
 def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool) -> bool:

@@ -172,14 +172,36 @@ def guard_inputs(
     compiling = torch.compiler.is_compiling()
     if not compiling and _all_finite(q, k, v):  # the common case: the ops mask padded keys exactly
         return q, k, v, None
-    b, h, nq, _ = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
     q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
-    if causal:  # query i is key position Nk − Nq + i and sees every key up to it
+    return q, k, v, _key_poison(kbad, causal, q.shape[2], q.shape[1] // k.shape[1]) | qbad
+
+
+def _key_poison(kbad: torch.Tensor, causal: bool, nq: int, g: int) -> torch.Tensor:
+    """Query rows ``[B, H, Nq]`` that see a bad real key ``kbad [B, Hkv, Nk]`` (softmax makes them
+    NaN): causal, query i is key position Nk − Nq + i and sees every key up to it; bidirectional,
+    every row."""
+    b, hkv, nk = kbad.shape
+    if causal:
         seen = (torch.cumsum(kbad.to(torch.int32), dim=-1) > 0)[..., nk - nq :]
     else:
         seen = kbad.any(-1, keepdim=True).expand(b, hkv, nq)
-    return q, k, v, seen.repeat_interleave(h // hkv, dim=1) | qbad
+    return seen.repeat_interleave(g, dim=1)
+
+
+def guard_feature_inputs(
+    feature_q: torch.Tensor, feature_k: torch.Tensor, key_mask: torch.Tensor | None, causal: bool, poison: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`guard_inputs` for the feature part's own inputs (``feature_q [B, H, Nq, D]``,
+    ``feature_k [B, Hkv, Nk, D]``): non-finite rows are zeroed and the rows softmax would make NaN
+    (a bad query itself; those that see a bad real key) are added to ``poison`` (None: none yet)."""
+    if not torch.compiler.is_compiling() and _all_finite(feature_q, feature_k):
+        return feature_q, feature_k, poison
+    qbad, kbad = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1)
+    feature_q, feature_k = feature_q.masked_fill(qbad[..., None], 0), feature_k.masked_fill(kbad[..., None], 0)
+    if key_mask is not None:  # a padded key is zeroed but poisons nothing
+        kbad = kbad & key_mask[:, None, :]
+    rows = qbad | _key_poison(kbad, causal, feature_q.shape[2], feature_q.shape[1] // feature_k.shape[1])
+    return feature_q, feature_k, rows if poison is None else poison | rows
 
 
 def guard_continuation(
