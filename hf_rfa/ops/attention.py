@@ -67,8 +67,9 @@ def random_feature_attention(
             block) and recompute each block in backward (:mod:`hf_rfa.ops.recompute`):
             activation memory O(N·D) instead of O(N·(m + W)); ~one extra forward of compute.
             A causal hybrid (window and/or sinks with the feature part) runs as one Function
-            that keeps q, k, v once and recomputes band, scan and merge per block
-            (:mod:`hf_rfa.ops.hybrid_recompute`). False: the autograd forms (everything saved).
+            that keeps q, k, v (and feature_q/feature_k when given) once and recomputes band,
+            scan and merge per block (:mod:`hf_rfa.ops.hybrid_recompute`). False: the autograd
+            forms (everything saved).
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
             ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
@@ -147,9 +148,8 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     fk_in = k if feature_k is None else feature_k
     n = q.shape[2]
     root = scale**0.5
-    # (feature inputs other than q/k: the separate band and scan Functions below, which save more)
-    if feature_q is None and _hybrid_function_applies(q, k, v, feature_map, causal, window, sinks, checkpoint_blocks, be, native_band):
-        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size)
+    if _hybrid_function_applies(q, k, v, feature_map, causal, window, sinks, checkpoint_blocks, be, native_band, feature_q, feature_k):
+        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size, feature_q, feature_k)
         return to_output_dtype(out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     # causal feature part: features are computed block by block inside causal_feature_attention
     # (which also converts and scales q, k, v block by block), never for the whole sequence at
@@ -226,20 +226,22 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     return to_output_dtype(out, out_dtype)
 
 
-def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool) -> bool:
+def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None) -> bool:
     """Whether the call is a causal hybrid in training with ``checkpoint_blocks``: it then runs as
-    one recomputing :class:`~hf_rfa.ops.hybrid_recompute.HybridFunction` (q, k, v saved once)."""
+    one recomputing :class:`~hf_rfa.ops.hybrid_recompute.HybridFunction` (q, k, v — and the
+    feature inputs ``feature_q``/``feature_k`` when given — saved once)."""
     if not (causal and checkpoint_blocks and (window > 0 or sinks > 0)) or be != "torch":
         return False
     if native_band:  # the band's inputs need no gradient: its compiled kernel answers it
         return False
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
-    return needs_grad(q, k, v, *params)
+    return needs_grad(q, k, v, feature_q, feature_k, *params)
 
 
-def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int) -> torch.Tensor:
+def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int, feature_q=None, feature_k=None) -> torch.Tensor:
     """:func:`_attention` for a causal hybrid in training (:func:`_hybrid_function_applies`):
-    ``[B,Hkv,G,N,Dv]`` in the compute dtype."""
+    ``[B,Hkv,G,N,Dv]`` in the compute dtype. ``feature_q``/``feature_k`` (or None): what the
+    feature part reads, the gate terms included (as in :func:`_attention`)."""
     b, n = q.shape[0], q.shape[2]
     feature = window < n and not getattr(feature_map, "null", False)
     feat_mask = lq_add = lk_add = None
@@ -249,8 +251,10 @@ def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: f
             feat_mask = feat_mask & ~sink_mask(km, b, n, sinks, q.device)
         if feature_map.has_gate:
             ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-            lk_add, lq_add = _gate_terms(feature_map, k.to(ct) * scale**0.5, km)
-    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature)
+            lk_add, lq_add = _gate_terms(feature_map, (k if feature_k is None else feature_k).to(ct) * scale**0.5, km)
+    else:
+        feature_q = feature_k = None
+    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k)
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

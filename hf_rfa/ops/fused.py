@@ -22,7 +22,7 @@ from .backends.causal_infer import BlockWorkspace
 from .chunkwise import Block, assemble_block, block_features
 from .masks import exp_floor, needs_grad
 from .partial import Partial, finalize
-from .recompute import ScanFunction
+from .recompute import ScanFunction, map_params
 from .recurrent import LinearState
 from .scan import ScanSpec, causal_scan, plan_blocks, split_tokens, state_matrix
 
@@ -83,8 +83,9 @@ def causal_feature_attention(
         state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=probe_k.phi.dtype)
     plan = plan_blocks(n, chunk_size, block_size)
     if checkpoint and not infer and not needs_grad(*st_t):
-        spec = ScanSpec(feature_map, plan, x_scale, scaled, g, ct)
-        return _checkpointed(spec, state, key_mask, xq, xk, v, lq_add, lk_add, params, out)
+        names, tensors = map_params(feature_map)
+        spec = ScanSpec(feature_map, plan, x_scale, scaled, g, ct, names)
+        return _checkpointed(spec, state, key_mask, xq, xk, v, lq_add, lk_add, tensors, out)
     sizes = [p[0] for p in plan]
     cuts = [split_tokens(xq, sizes, 2), split_tokens(xk, sizes, 2), split_tokens(v, sizes, 2)]
     cuts += [split_tokens(key_mask, sizes, 1), split_tokens(lq_add, sizes, -1), split_tokens(lk_add, sizes, -1)]
@@ -99,11 +100,11 @@ def causal_feature_attention(
 
 
 def _checkpointed(spec: ScanSpec, state: LinearState, key_mask, xq, xk, v, lq_add, lk_add, params, out) -> tuple[Partial | None, LinearState]:
-    """:func:`causal_feature_attention` by the recomputing :class:`ScanFunction` (training memory)."""
+    """:func:`causal_feature_attention` by the recomputing :class:`ScanFunction` (training memory);
+    ``params``: the map's parameters named ``spec.names``."""
     dv = v.shape[-1]
     S0, ref0 = state_matrix(state, spec.scaled)
-    grads = tuple(p for p in params if p.requires_grad)
-    o, ls, S, ref = ScanFunction.apply(spec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *grads)
+    o, ls, S, ref = ScanFunction.apply(spec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *params)
     part, st = Partial(o[..., :dv], o[..., dv], ls), LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
     if out is None:
         return part, st

@@ -6,7 +6,9 @@ feature scan, then :func:`~hf_rfa.ops.partial.merge` and :func:`~hf_rfa.ops.part
 each keep their own inputs: the √scale-multiplied queries/keys of the band, the window-shifted
 keys/values of the scan, and the two parts' numerators and denominators for the merge — about
 three times q, k, v per layer. :class:`HybridFunction` keeps q, k, v once (in their own dtype),
-the O(N) masks and gate terms, and the scan's ``[F, Dv+1]`` state entering each block.
+the O(N) masks and gate terms, and the scan's ``[F, Dv+1]`` state entering each block. With
+feature inputs (``feature_q``/``feature_k``, e.g. q/k before the rotary embedding: ``RFAConfig(
+feature_input="unrotated")``) the band reads q, k and the scan reads those, each saved once too.
 
 Forward runs, block by block without a graph: the exact band (:func:`~hf_rfa.ops.recompute.
 _band_tiles`), the feature scan (:func:`~hf_rfa.ops.recompute._scan_block`) on keys delayed by
@@ -14,9 +16,13 @@ the window (index arithmetic on k and v, no shifted copy), merge and finalize. B
 blocks in reverse: it recomputes the block's scan with autograd from its saved state (carrying the
 state's gradient, as ``ScanFunction``), the band's probabilities, and merge + finalize with
 autograd on the band's block-local num/den; the band's input gradients are then the hand-written
-ones of :func:`~hf_rfa.ops.recompute.band_block_grads`. Features, states and sums are float32
-(float64 inputs stay float64). The reference twin is the autograd form (``checkpoint_blocks=
-False``; ``tests/ops/test_hybrid_recompute.py``).
+ones of :func:`~hf_rfa.ops.recompute.band_block_grads`. Both passes evaluate the feature map on
+the parameter tensors passed to forward (:func:`~hf_rfa.ops.recompute.with_params`; backward
+recomputes on leaves of the saved ones), so ``torch.func.functional_call`` and a parameter
+changed between forward and backward (an error, as in the autograd form) are honoured. Features,
+states and sums are float32 (float64 inputs stay float64). The reference twin is the autograd
+form (``checkpoint_blocks=False``; ``tests/ops/test_hybrid_recompute.py``,
+``tests/ops/test_hybrid_recompute_feature_inputs.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from .hybrid import BandPlan, band_plan
 from .partial import Partial, finalize, merge
-from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden
+from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, param_leaves, with_params
 from .recurrent import LinearState
 from .scan import ScanSpec, plan_blocks, state_matrix
 
@@ -49,15 +55,22 @@ class HybridSpec:
     ct: torch.dtype
 
 
-def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True) -> torch.Tensor:
+def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None) -> torch.Tensor:
     """Causal hybrid (exact window + sinks, feature map for the other keys) by
     :class:`HybridFunction`: ``q [B,H,N,D]``, ``k [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]``,
     ``key_mask [B,N]`` bool or None (padding), ``feat_mask [B,N]`` bool (keys the feature part
     answers: real and not sinks; required with ``feature``), ``window`` < N when ``feature``,
-    gate terms ``lq_add [B,Hkv,1|G,N]`` / ``lk_add [B,Hkv,N]`` (unshifted) or None. ``feature``
-    False: the exact part alone. Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
+    gate terms ``lq_add [B,Hkv,1|G,N]`` / ``lk_add [B,Hkv,N]`` (unshifted; computed by the caller
+    from the keys the feature part reads) or None. ``feature`` False: the exact part alone.
+    ``feature_q [B,H,N,D]`` / ``feature_k [B,Hkv,N,D]`` (both or neither; ignored without a
+    feature part): what the feature scan reads instead of q/k (the band always reads q, k).
+    Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
+    if (feature_q is None) != (feature_k is None):
+        raise ValueError("feature_q and feature_k go together")
+    if feature_q is not None and (feature_q.shape != q.shape or feature_k.shape != k.shape):
+        raise ValueError(f"feature_q/feature_k must have the shapes of q/k {tuple(q.shape)}/{tuple(k.shape)}, got {tuple(feature_q.shape)}/{tuple(feature_k.shape)}")
     if window < 0 or sinks < 0 or (window == 0 and sinks == 0):
         raise ValueError(f"window and sinks must be >= 0 with at least one > 0, got window={window}, sinks={sinks}")
     if feature and window >= n:
@@ -68,15 +81,16 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
     plan = band_plan(q.unflatten(1, (hkv, h // hkv)), key_mask, window, sinks, True, chunk_size, block_size)
     scan = None
     params: tuple = ()
+    if not feature:
+        feature_q = feature_k = None
     if feature:
         with torch.no_grad():
-            probe = feature_map.forward_keys(k[:, :, :1].to(ct) * scale**0.5)
+            probe = feature_map.forward_keys((k if feature_k is None else feature_k)[:, :, :1].to(ct) * scale**0.5)
         scaled = probe.log_scale is not None or lk_add is not None
-        scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct)
-        if isinstance(feature_map, torch.nn.Module):
-            params = tuple(p for p in feature_map.parameters() if p.requires_grad)
+        names, params = map_params(feature_map)
+        scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct, names)
     spec = HybridSpec(plan, scan, _units(plan, scan), window, scale**0.5, feature_map.eps, ct)
-    return HybridFunction.apply(spec, q, k, v, feat_mask if feature else None, lq_add, lk_add, *params)
+    return HybridFunction.apply(spec, q, k, v, feature_q, feature_k, feat_mask if feature else None, lq_add, lk_add, *params)
 
 
 def _units(plan: BandPlan, scan: ScanSpec | None) -> list[tuple[int, int, int, int, list[int]]]:
@@ -213,19 +227,29 @@ def _initial_state(spec: HybridSpec, b: int, hkv: int, dv: int, device) -> tuple
     return state_matrix(LinearState.zeros(b, hkv, fdim, dv, device=device, dtype=spec.ct), spec.scan.scaled)
 
 
+#: index of the first ``*params`` tensor in :meth:`HybridFunction.forward`'s inputs (after ctx)
+_NPOS = 9
+
+
 class HybridFunction(torch.autograd.Function):
-    """Causal hybrid: ``(spec, q [B,H,N,D], k [B,Hkv,N,D], v [B,Hkv,N,Dv], feat_mask [B,N] |
-    None, lq_add [B,Hkv,1|G,N] | None, lk_add [B,Hkv,N] | None, *params)`` → ``[B,Hkv,G,N,Dv]``
-    (compute dtype). ``params``: the feature map's trainable parameters. Saves q, k, v, the O(N)
-    mask and gate terms, and the scan's state entering each block (see the module docstring)."""
+    """Causal hybrid: ``(spec, q [B,H,N,D], k [B,Hkv,N,D], v [B,Hkv,N,Dv], feature_q [B,H,N,D] |
+    None, feature_k [B,Hkv,N,D] | None, feat_mask [B,N] | None, lq_add [B,Hkv,1|G,N] | None,
+    lk_add [B,Hkv,N] | None, *params)`` → ``[B,Hkv,G,N,Dv]`` (compute dtype). The band reads q,
+    k; the feature scan reads ``feature_q``/``feature_k`` (None: q, k). ``params``: the feature
+    map's parameters named ``spec.scan.names`` (:func:`~hf_rfa.ops.recompute.map_params`; none
+    without a feature part), which both passes bind (:func:`~hf_rfa.ops.recompute.with_params`).
+    Saves q, k, v, the feature inputs, the parameters, the O(N) mask and gate terms, and the
+    scan's state entering each block (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, spec: HybridSpec, q, k, v, feat_mask, lq_add, lk_add, *params):
+    def forward(ctx, spec: HybridSpec, q, k, v, feature_q, feature_k, feat_mask, lq_add, lk_add, *params):
         b, h, n, _ = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         out = torch.empty(b, hkv, h // hkv, n, dv, dtype=spec.ct, device=q.device)
         states, refs = [], []
-        with torch.no_grad():
+        fk = k if feature_k is None else feature_k
+
+        def run():
             ks, vs = _sinks(spec, k, v)
             S, ref = _initial_state(spec, b, hkv, dv, q.device) if spec.scan is not None else (None, None)
             for unit in spec.units:
@@ -235,61 +259,85 @@ class HybridFunction(torch.autograd.Function):
                 band = Partial(*_band_partial(spec, unit, pb, ps, r, vbu, vs))
                 feat = None
                 if spec.scan is not None:
-                    feat, S, ref, st, rf = _feature_unit(spec, unit, S, ref, _feature_inputs(spec, unit, xq, k, v, feat_mask, lq_add, lk_add))
-                    states += st
-                    refs += rf
+                    fq = xq if feature_q is None else feature_q[:, :, t0:t1].to(spec.ct)
+                    feat, S, ref, st, rf = _feature_unit(spec, unit, S, ref, _feature_inputs(spec, unit, fq, fk, v, feat_mask, lq_add, lk_add))
+                    states.extend(st)
+                    refs.extend(rf)
                 out[:, :, :, t0:t1] = _combine(spec, band, feat)
+
+        with torch.no_grad():
+            _bound(spec, params, run)
         ctx.spec = spec
         st = (torch.stack(states), torch.stack(refs)) if states else (None, None)
-        ctx.save_for_backward(q, k, v, feat_mask, lq_add, lk_add, *st)
+        ctx.save_for_backward(q, k, v, feature_q, feature_k, feat_mask, lq_add, lk_add, *st, *params)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         spec: HybridSpec = ctx.spec
-        q, k, v, feat_mask, lq_add, lk_add, states, refs = ctx.saved_tensors
-        fm = spec.scan.feature_map if spec.scan is not None else None
-        params = [p for p in fm.parameters() if p.requires_grad] if isinstance(fm, torch.nn.Module) else []
-        acc = _Grads(spec, q, k, v, lq_add, lk_add, len(params))
-        ks, vs = _sinks(spec, k, v)
+        q, k, v, fq, fk, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
+        # leaves of the parameter tensors forward ran with, bound again for the recomputation
+        params = param_leaves(saved, ctx.needs_input_grad[_NPOS:])
+        acc = _Grads(spec, q, k, v, fq, fk, lq_add, lk_add, len(params))
         dS = None
-        for unit in reversed(spec.units):
-            dS = _unit_backward(spec, unit, q, k, v, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc)
-        return (None, *acc.result(ctx.needs_input_grad, q, k, v, lq_add, lk_add))
+
+        def run():
+            nonlocal dS
+            ks, vs = _sinks(spec, k, v)
+            for unit in reversed(spec.units):
+                dS = _unit_backward(spec, unit, q, k, v, fq, fk, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc)
+
+        _bound(spec, params, run)
+        return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, lq_add, lk_add))
+
+
+def _bound(spec: HybridSpec, params, fn) -> None:
+    """``fn()`` with the feature map's parameters bound to ``params`` (nothing to bind without a
+    feature part)."""
+    if spec.scan is None:
+        fn()
+    else:
+        with_params(spec.scan.feature_map, spec.scan.names, params, fn)
 
 
 class _Grads:
     """Input gradients of :class:`HybridFunction` accumulated over the blocks (compute dtype)."""
 
-    def __init__(self, spec: HybridSpec, q, k, v, lq_add, lk_add, nparams: int):
+    def __init__(self, spec: HybridSpec, q, k, v, fq, fk, lq_add, lk_add, nparams: int):
         ct = spec.ct
         self.spec = spec
         self.dq = torch.zeros(q.shape, dtype=ct, device=q.device)
         self.dk = torch.zeros(k.shape, dtype=ct, device=k.device)
         self.dv = torch.zeros(v.shape, dtype=ct, device=v.device)
+        # the scan's query/key gradients: their own buffers with feature inputs, else dq/dk
+        self.dfq = torch.zeros(fq.shape, dtype=ct, device=fq.device) if fq is not None else self.dq
+        self.dfk = torch.zeros(fk.shape, dtype=ct, device=fk.device) if fk is not None else self.dk
         self.dlq = torch.zeros_like(lq_add) if lq_add is not None else None
         self.dlk = torch.zeros_like(lk_add) if lk_add is not None else None
         self.dks = self.dvs = None
         self.dparams: list = [None] * nparams
 
-    def result(self, needs, q, k, v, lq_add, lk_add) -> list:
-        """``(dq, dk, dv, None, dlq, dlk, *dparams)`` in the inputs' dtypes (the sinks' key and
-        value gradients scattered back to their positions)."""
+    def result(self, needs, q, k, v, fq, fk, lq_add, lk_add) -> list:
+        """``(dq, dk, dv, dfq, dfk, None, dlq, dlk, *dparams)`` in the inputs' dtypes (the sinks'
+        key and value gradients scattered back to their positions; None where ``needs``, the
+        Function's ``needs_input_grad``, says no)."""
         plan = self.spec.plan
         if self.dks is not None:
             idx = plan.spos[:, None, :, None]
             self.dk.scatter_add_(2, idx.expand_as(self.dks), self.dks * self.spec.root)
             self.dv.scatter_add_(2, idx.expand_as(self.dvs), self.dvs)
-        got = [self.dq.to(q.dtype), self.dk.to(k.dtype), self.dv.to(v.dtype), None, self.dlq, self.dlk]
-        got = [g if g is not None and needs[i + 1] else None for i, g in enumerate(got)]
-        return got + self.dparams
+        dfq = self.dfq.to(fq.dtype) if fq is not None else None
+        dfk = self.dfk.to(fk.dtype) if fk is not None else None
+        got = [self.dq.to(q.dtype), self.dk.to(k.dtype), self.dv.to(v.dtype), dfq, dfk, None, self.dlq, self.dlk] + self.dparams
+        return [g if g is not None and needs[i + 1] else None for i, g in enumerate(got)]
 
 
-def _unit_backward(spec: HybridSpec, unit, q, k, v, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc: _Grads):
-    """One block of :meth:`HybridFunction.backward`: recompute, differentiate, accumulate into
-    ``acc``; returns the gradient of the state entering the block (None without a feature part)."""
+def _unit_backward(spec: HybridSpec, unit, q, k, v, fq, fk, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc: _Grads):
+    """One block of :meth:`HybridFunction.backward` (run with the map's parameters bound to the
+    leaves ``params``): recompute, differentiate, accumulate into ``acc``; returns the gradient
+    of the state entering the block (None without a feature part). ``fq``/``fk``: the feature
+    inputs or None (the scan reads q/k)."""
     t0, t1 = unit[0], unit[1]
-    plan = spec.plan
     xq = q[:, :, t0:t1].to(spec.ct)
     pb, ps, r, kbu, vbu, q6, start = _band_unit(spec, unit, xq, k, v, ks, vs)
     num_b, den_b, ls_b = _band_partial(spec, unit, pb, ps, r, vbu, vs)
@@ -297,7 +345,8 @@ def _unit_backward(spec: HybridSpec, unit, q, k, v, feat_mask, lq_add, lk_add, k
     feat = S_in = S_out = None
     leaves: list = []
     if spec.scan is not None:
-        leaves = [_leaf(x) for x in _feature_inputs(spec, unit, xq, k, v, feat_mask, lq_add, lk_add)]
+        xf = xq if fq is None else fq[:, :, t0:t1].to(spec.ct)
+        leaves = [_leaf(x) for x in _feature_inputs(spec, unit, xf, k if fk is None else fk, v, feat_mask, lq_add, lk_add)]
         i0 = unit[4][0]
         S_in = states[i0].detach().requires_grad_()
         with torch.enable_grad():
@@ -316,7 +365,8 @@ def _unit_backward(spec: HybridSpec, unit, q, k, v, feat_mask, lq_add, lk_add, k
 
 def _scatter_feature_grads(spec: HybridSpec, unit, leaves: list, grads: list, acc: _Grads) -> None:
     """Add the scan's block gradients (queries, delayed keys/values, gate terms) into ``acc`` at
-    their positions (keys and values of query t at key t − W)."""
+    their positions (keys and values of query t at key t − W; queries and keys into the feature
+    inputs' gradients, which are q's and k's without feature inputs)."""
     t0, t1 = unit[0], unit[1]
     w = spec.window
     it = iter(grads)
@@ -325,9 +375,9 @@ def _scatter_feature_grads(spec: HybridSpec, unit, leaves: list, grads: list, ac
         if x is not None and x.is_floating_point():
             named[name] = next(it)
     if named.get("q") is not None:
-        acc.dq[:, :, t0:t1] += named["q"]
+        acc.dfq[:, :, t0:t1] += named["q"]
     if named.get("k") is not None:
-        _add_window(acc.dk, named["k"], t0 - w, 2)
+        _add_window(acc.dfk, named["k"], t0 - w, 2)
     if named.get("v") is not None:
         _add_window(acc.dv, named["v"], t0 - w, 2)
     if named.get("lq") is not None and acc.dlq is not None:

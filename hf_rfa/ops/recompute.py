@@ -16,6 +16,8 @@ reuses :func:`band_block_grads` and :func:`_scan_block`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .hybrid import BandPlan, gather_sinks
@@ -46,6 +48,46 @@ def _add(acc: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | Non
     if g is None:
         return acc
     return g.clone() if acc is None else acc.add_(g)
+
+
+def map_params(feature_map) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """The feature map's parameters as ``(names, tensors)`` (``named_parameters()``; frozen ones
+    too; none for a map that is not a Module): what the recomputing Functions take as ``*params``
+    and bind again in backward (:func:`with_params`). Under :func:`torch.func.functional_call`
+    these are the substitute tensors."""
+    if not isinstance(feature_map, torch.nn.Module):
+        return (), ()
+    named = list(feature_map.named_parameters())
+    return tuple(n for n, _ in named), tuple(p for _, p in named)
+
+
+class _Bind(torch.nn.Module):
+    """Holds the feature map so that :func:`torch.func.functional_call` can rebind its
+    parameters (as ``fm.<name>``) around any callable, not only the map's ``forward``."""
+
+    def __init__(self, feature_map: torch.nn.Module) -> None:
+        super().__init__()
+        self.fm = feature_map
+
+    def forward(self, fn):
+        return fn()
+
+
+def with_params(feature_map, names: tuple[str, ...], tensors, fn):
+    """``fn()`` with the feature map's parameters ``names`` bound to ``tensors`` (by
+    :func:`torch.func.functional_call`; the map's own parameters are restored afterwards). The
+    recomputing Functions run their backward's recomputation in it, on leaves of the parameter
+    tensors passed to forward — never on whatever the map holds when backward runs (which differs
+    under ``functional_call`` or after an in-place update)."""
+    if not names:
+        return fn()
+    return torch.func.functional_call(_Bind(feature_map), {"fm." + n: t for n, t in zip(names, tensors)}, (fn,))
+
+
+def param_leaves(params, needs) -> list:
+    """Block-local leaves of the saved parameter tensors ``params``: requiring a gradient where
+    ``needs`` (the Function's ``needs_input_grad`` of each) says so, detached otherwise."""
+    return [p.detach().requires_grad_(bool(nd) and p.is_floating_point()) for p, nd in zip(params, needs)]
 
 
 class BandFunction(torch.autograd.Function):
@@ -278,9 +320,11 @@ class ScanFunction(torch.autograd.Function):
     ``(spec, S0 [B,Hkv,F,Dv+1], ref0 [B,Hkv], key_mask [B,N] | None, xq [B,H,N,D], xk
     [B,Hkv,N,D], v [B,Hkv,N,Dv], lq_add [B,Hkv,G,N] | None, lk_add [B,Hkv,N] | None, *params)``
     → ``(out [B,Hkv,G,N,Dv+1], ls [B,Hkv,G,N], S [B,Hkv,F,Dv+1], ref [B,Hkv])``. ``params``: the
-    feature map's trainable parameters (their gradients come back through this Function). The
-    incoming state gets no gradient (training starts from an empty state). Saves the inputs and
-    the state entering each block (``[F, Dv+1]`` per kv head and block)."""
+    feature map's parameters named ``spec.names`` (:func:`map_params`; their gradients come back
+    through this Function); both passes evaluate the map on these tensors (:func:`with_params`),
+    not on what the map holds when backward runs. The incoming state gets no gradient (training
+    starts from an empty state). Saves the inputs, the parameters and the state entering each
+    block (``[F, Dv+1]`` per kv head and block)."""
 
     @staticmethod
     def forward(ctx, spec: ScanSpec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *params):
@@ -288,15 +332,20 @@ class ScanFunction(torch.autograd.Function):
         cut = _cuts(sizes, key_mask, xq, xk, v, lq_add, lk_add)
         S, ref = S0, ref0
         outs, lss, states, refs = [], [], [], []
-        with torch.no_grad():
+
+        def run():
+            nonlocal S, ref
             for i, (_, c) in enumerate(spec.plan):
                 states.append(S)
                 refs.append(ref)
                 o, ls, S, ref = _scan_block(spec, c, S, ref, *(x[i] for x in cut))
                 outs.append(o)
                 lss.append(ls)
+
+        with torch.no_grad():
+            with_params(spec.feature_map, spec.names, params, run)
         ctx.spec = spec
-        ctx.save_for_backward(key_mask, xq, xk, v, lq_add, lk_add, torch.stack(states), torch.stack(refs))
+        ctx.save_for_backward(key_mask, xq, xk, v, lq_add, lk_add, torch.stack(states), torch.stack(refs), *params)
         ref = ref.clone()  # (the unscaled form passes the incoming reference through)
         ctx.mark_non_differentiable(ref)
         return torch.cat(outs, dim=-2), torch.cat(lss, dim=-1), S, ref
@@ -304,12 +353,13 @@ class ScanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dls, dS, _dref):
         spec: ScanSpec = ctx.spec
-        key_mask, xq, xk, v, lq_add, lk_add, states, refs = ctx.saved_tensors
+        key_mask, xq, xk, v, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
         sizes = [t for t, _ in spec.plan]
         cut = _cuts(sizes, key_mask, xq, xk, v, lq_add, lk_add)
         douts = split_tokens(dout, sizes, -2)
         dlss = split_tokens(dls, sizes, -1)
-        params = [p for p in spec.feature_map.parameters() if p.requires_grad] if isinstance(spec.feature_map, torch.nn.Module) else []
+        # the parameter tensors forward ran with (saved), bound again for the recomputation
+        params = param_leaves(saved, ctx.needs_input_grad[9:])
         dparams: list[torch.Tensor | None] = [None] * len(params)
         blocks: list[list] = []
         for i in reversed(range(len(sizes))):
@@ -317,7 +367,7 @@ class ScanFunction(torch.autograd.Function):
             leaves = [_leaf(x[i]) if x[i] is not None and x[i].is_floating_point() else x[i] for x in cut]
             S_in = states[i].detach().requires_grad_()
             with torch.enable_grad():
-                o, ls, S_out, _ = _scan_block(spec, c, S_in, refs[i], *leaves)
+                o, ls, S_out, _ = with_params(spec.feature_map, spec.names, params, functools.partial(_scan_block, spec, c, S_in, refs[i], *leaves))
             got = _grads([o, ls, S_out], [douts[i], dlss[i], dS], [S_in, *params, *leaves])
             dS = got[0]
             dparams = [_add(a, g_) for a, g_ in zip(dparams, got[1 : 1 + len(params)])]

@@ -31,7 +31,9 @@ DEFAULT_BLOCK_SIZE = 512
 
 @dataclass
 class ScanSpec:
-    """What the recomputing scan (:class:`hf_rfa.ops.recompute.ScanFunction`) needs besides tensors."""
+    """What the recomputing scan (:class:`hf_rfa.ops.recompute.ScanFunction`) needs besides tensors;
+    ``names``: the feature map's parameters passed as the Function's ``*params``, in that order
+    (:func:`hf_rfa.ops.recompute.map_params`)."""
 
     feature_map: object
     plan: list[tuple[int, int]]
@@ -39,6 +41,7 @@ class ScanSpec:
     scaled: bool
     g: int
     ct: torch.dtype
+    names: tuple[str, ...] = ()
 
 
 def plan_blocks(n: int, chunk_size: int, block_size: int | None) -> list[tuple[int, int]]:
