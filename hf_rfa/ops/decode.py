@@ -17,6 +17,10 @@ prefill or a multi-token chunk), so each query reads exactly the keys older than
 exact part (window band + sinks) is computed for the new queries in chunks. Memory is
 ``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
 
+Feature inputs (``feature_q``/``feature_k``, e.g. q/k before the rotary embedding): the state
+either keeps the window's feature keys (``win_kf``) or keeps nothing more and derives them from the
+kept keys in every call (``feature_key_fn``; the caller knows the positions, the op does not).
+
 Gated RFA: a kept window key stores its accumulated log decay ``win_decay`` (the sum of the log
 gates since it arrived), so it enters the state with the same weight ``Π g`` the full form gives.
 """
