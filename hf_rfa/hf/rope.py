@@ -5,7 +5,9 @@ positions before the attention function sees them. ``RFAConfig(feature_input="un
 lets the feature part read q/k *before* that rotation (a map learned on rotated q/k only knows
 the positions it was trained at). The attention module's forward receives ``position_embeddings
 = (cos, sin)``; a forward pre-hook (:func:`install_rope_hook`) keeps them on the module for the
-attention function, which undoes the rotation with :func:`unrotate`.
+attention function, which undoes the rotation with :func:`unrotate`. Cached decoding
+(``hf_rfa.hf.cache``) keeps only the rotated window and un-rotates it again where needed, with the
+rotations of the last ``W`` positions kept once per cache (``RopeRing``).
 
 Convention: transformers' ``apply_rotary_pos_emb`` with ``rotate_half`` (the two halves of the
 first ``Dr = cos.shape[-1]`` dims form the rotated pairs; dims beyond ``Dr`` are not rotated).
@@ -60,9 +62,9 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return out if dr == x.shape[-1] else torch.cat([out, x[..., dr:]], dim=-1)
 
 
-def unrotated_qk(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(query, key)`` of an attention call with the rotary embedding ``pe = (cos, sin)`` of this
-    forward (the module's :data:`ROPE_ATTR`) undone.
+def checked_rope(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pe = (cos, sin)`` of this forward (the module's :data:`ROPE_ATTR`), checked against the
+    attention call's query/key ``[B, H, N, D]``.
 
     Raises ValueError when ``pe`` is None (the module's forward got no ``position_embeddings``)
     or does not cover the query/key positions (e.g. a cache that hands back every past key)."""
@@ -80,7 +82,14 @@ def unrotated_qk(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tens
         )
     if cos.shape[-1] > query.shape[-1] or cos.shape[-1] % 2:
         raise ValueError(f"feature_input='unrotated': rotary dim {cos.shape[-1]} does not fit head dim {query.shape[-1]}")
+    return cos, sin
+
+
+def unrotated_qk(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query, key)`` of an attention call with the rotary embedding ``pe = (cos, sin)`` of this
+    forward (the module's :data:`ROPE_ATTR`) undone (ValueError as :func:`checked_rope`)."""
+    cos, sin = checked_rope(pe, query, key)
     return unrotate(query, cos, sin), unrotate(key, cos, sin)
 
 
-__all__ = ["ROPE_ATTR", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]
+__all__ = ["ROPE_ATTR", "checked_rope", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]

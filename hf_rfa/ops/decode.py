@@ -17,6 +17,10 @@ prefill or a multi-token chunk), so each query reads exactly the keys older than
 exact part (window band + sinks) is computed for the new queries in chunks. Memory is
 ``O(F·Dv + (W + S)·D)`` per kv head whatever the context length.
 
+Feature inputs (``feature_q``/``feature_k``, e.g. q/k before the rotary embedding): the state
+either keeps the window's feature keys (``win_kf``) or keeps nothing more and derives them from the
+kept keys in every call (``feature_key_fn``; the caller knows the positions, the op does not).
+
 Gated RFA: a kept window key stores its accumulated log decay ``win_decay`` (the sum of the log
 gates since it arrived), so it enters the state with the same weight ``Π g`` the full form gives.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
+from typing import Callable
 
 import torch
 
@@ -56,7 +61,9 @@ class DecodeState:
                  before entering the state; every later row of that head is NaN, as in softmax).
     seen:        positions seen so far, padding included (the sequence length).
     win_kf:      ``[B, Hkv, Wc, D]`` the feature part's keys of the kept positions (``feature_k``,
-                 e.g. un-rotated keys), or None when the feature part reads the keys themselves.
+                 e.g. un-rotated keys), or None when the feature part reads the keys themselves
+                 or derives them from ``win_k`` (``continue_attention(feature_key_fn=)``: the
+                 state is then exactly the plain one, nothing per layer added).
     """
 
     linear: LinearState
@@ -89,7 +96,8 @@ class DecodeState:
         feature_keys: bool = False,
     ) -> "DecodeState":
         """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``;
-        ``feature_keys``: also keep the window's feature-part keys (``continue_attention(feature_k=)``)."""
+        ``feature_keys``: also keep the window's feature-part keys (``continue_attention(feature_k=)``;
+        not for ``feature_key_fn=``, which derives them from the kept keys)."""
         b, h = batch, kv_heads
         return cls(
             linear=LinearState.zeros(b, h, feature_dim, value_dim, device=device, dtype=compute_dtype),
@@ -297,6 +305,7 @@ def continue_attention(
     backend: str = "auto",
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
+    feature_key_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, DecodeState]:
     """Causal attention of ``n`` new tokens given the summarised past.
 
@@ -312,6 +321,17 @@ def continue_attention(
         feature_q, feature_k: the feature part's inputs for the new tokens (shapes of q, k), as in
             ``random_feature_attention``; the state must then keep them for its window
             (``DecodeState.empty(..., feature_keys=True)``), and every call must give them.
+        feature_key_fn: instead of ``feature_k`` and a kept copy of it: a function mapping the raw
+            keys of the *local block* — the ``Wc`` kept keys (``state.win_k``) followed by the ``n``
+            new ones, ``[B, Hkv, Wc + n, D]`` in the state's key dtype, local index ``i`` at
+            absolute position ``state.seen - Wc + i`` — to the feature part's keys of those
+            positions (same shape), e.g. undoing the rotary embedding with the rotations of
+            those ``Wc + n`` positions, which the caller closes over. The op stays
+            position-agnostic and the state keeps nothing more than without feature inputs
+            (``DecodeState.empty(..., feature_keys=False)``); ``feature_q`` (the new queries'
+            feature inputs) is required with it and ``feature_k`` must be None. It must give
+            the same result for a position in every call (a key's feature key is derived again
+            while it is kept).
     Returns:
         ``(out [B, H, n, Dv], new_state)``; out has q's dtype.
 
@@ -323,12 +343,25 @@ def continue_attention(
     output is clamped to float16's range.
     """
     b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
-    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
-    if (feature_k is None) != (state.win_kf is None):
-        raise ValueError(
-            "feature_q/feature_k must be given exactly when the state keeps feature keys "
-            f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
-        )
+    derive = feature_key_fn is not None
+    if derive:
+        if not callable(feature_key_fn):
+            raise ValueError(f"feature_key_fn must be a callable [B, Hkv, L, D] -> [B, Hkv, L, D] or None, got {type(feature_key_fn).__name__}")
+        if feature_k is not None:
+            raise ValueError("feature_k must be None with feature_key_fn (the feature keys are derived from the local block's keys by feature_key_fn)")
+        if feature_q is None:
+            raise ValueError("feature_key_fn needs feature_q (the new queries' feature inputs, shape of q)")
+        if state.win_kf is not None:
+            raise ValueError("feature_key_fn: the state keeps feature keys (win_kf); build it with DecodeState.empty(feature_keys=False)")
+        feature_q, _ = check_feature_inputs(q, k, feature_q, k)
+    else:
+        feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
+        if (feature_k is None) != (state.win_kf is None):
+            raise ValueError(
+                "feature_q/feature_k must be given exactly when the state keeps feature keys "
+                f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
+                + ("; or pass feature_key_fn= with a state without them" if feature_k is None else "")
+            )
     if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
         return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
     scale = d**-0.5 if scale is None else float(scale)
@@ -338,22 +371,35 @@ def continue_attention(
     dev = q.device
     km = torch.ones(b, n, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
-    if feature_q is not None:  # non-finite feature inputs: zeroed, rows poisoned like a bad q/k
-        bad_q, bad_k = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1) & km[:, None, :]
-        if bool(bad_q.any()) or bool(bad_k.any()):
+    p0, wc = state.seen, state.win_k.shape[2]
+    pos0 = p0 - wc  # absolute position of local index 0
+    # the local block: kept window + new tokens
+    lk_raw = torch.cat([state.win_k, k.to(state.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
+    lkf_raw = None  # the local block's feature keys (feature_k / feature_key_fn)
+    if derive:
+        lkf_raw = feature_key_fn(lk_raw)
+        if not isinstance(lkf_raw, torch.Tensor) or lkf_raw.shape != lk_raw.shape or not lkf_raw.is_floating_point() or lkf_raw.device != lk_raw.device:
+            raise ValueError(
+                f"feature_key_fn must return a floating tensor of the local block's shape {tuple(lk_raw.shape)} on {lk_raw.device}, "
+                f"got {getattr(lkf_raw, 'dtype', type(lkf_raw).__name__)} {tuple(getattr(lkf_raw, 'shape', ()))}"
+            )
+    elif feature_k is not None:
+        lkf_raw = torch.cat([state.win_kf, feature_k.to(state.win_kf.dtype)], dim=2)
+    if feature_q is not None:  # non-finite feature inputs: zeroed (padding too), rows poisoned like a bad q/k
+        # derived keys: the kept ones are derived again in every call, so every position of the
+        # block is checked (a kept bad one was counted when it arrived and is only zeroed again)
+        bad_q, bad_any = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(lkf_raw).all(-1)  # [B,H,n], [B,Hkv,L]
+        if bool(bad_q.any()) or bool(bad_any.any()):
+            bad_k = bad_any[..., wc:] & km[:, None, :]
             feature_q = torch.where(bad_q[..., None], torch.zeros_like(feature_q), feature_q)
-            feature_k = torch.where(bad_k[..., None], torch.zeros_like(feature_k), feature_k)
+            lkf_raw = torch.where(bad_any[..., None], torch.zeros_like(lkf_raw), lkf_raw)
             seen_bad = (torch.cumsum(bad_k.long(), -1) > 0) | nonfinite[..., None]
             rows = bad_q | seen_bad.repeat_interleave(h // hkv, 1)
             poison = rows if poison is None else poison | rows
             nonfinite = nonfinite | bad_k.any(-1)
-    p0, wc = state.seen, state.win_k.shape[2]
-    pos0 = p0 - wc  # absolute position of local index 0
 
     sink_k, sink_v, sink_pos, sink_exists, new_sink = _join_sinks(state, k, v, km, sinks, p0)
 
-    # the local block: kept window + new tokens
-    lk_raw = torch.cat([state.win_k, k.to(state.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
     lv_raw = torch.cat([state.win_v, v.to(state.win_v.dtype)], dim=2)
     real = torch.cat([state.win_real, km], dim=1)  # [B,L]
     feat = torch.cat([state.win_feat, km & ~new_sink], dim=1)
@@ -361,11 +407,9 @@ def continue_attention(
     xq = q.to(ct) * root
     xk = lk_raw.to(ct) * root
     vv = lv_raw.to(ct)
-    lkf_raw = None
-    if feature_k is None:
+    if lkf_raw is None:
         xq_f, xk_f = xq, xk
     else:
-        lkf_raw = torch.cat([state.win_kf, feature_k.to(state.win_kf.dtype)], dim=2)
         xq_f, xk_f = feature_q.to(ct) * root, lkf_raw.to(ct) * root
 
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
@@ -422,6 +466,6 @@ def continue_attention(
         real_count=state.real_count + km.long().sum(-1),
         nonfinite=nonfinite,
         seen=p0 + n,
-        win_kf=lkf_raw[:, :, big_l - keep:] if lkf_raw is not None else None,
+        win_kf=lkf_raw[:, :, big_l - keep:] if lkf_raw is not None and not derive else None,
     )
     return out, new_state

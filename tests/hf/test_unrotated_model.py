@@ -122,3 +122,107 @@ def test_models_without_rotary_embeddings_and_bad_values_are_refused():
         hf_rfa.RFAConfig(feature_input="pre-rope")
     with pytest.raises(ValueError, match="memory"):
         hf_rfa.RFAConfig(window=4, memory=8, feature_input="unrotated")
+
+
+# --- cached decoding keeps the rotated window only; the rotations once per cache ---------------
+def _steps(n):
+    return (7, 5, 3) + (1,) * (n - 15)
+
+
+@pytest.mark.parametrize("window", [3, 40])  # 40 > the 26 tokens: the window never fills
+def test_cached_decoding_float64_equals_the_full_forward(window):
+    """float64: prefill, chunks, single tokens (left-padded batch) == one full forward to 1e-10;
+    reset() and decoding again gives the same logits."""
+    model = _model(window=window).double()
+    ids, mask = _batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache = hf_rfa.RFACache(model)
+        runs = []
+        for _ in range(2):
+            outs, t = [], 0
+            for step in _steps(ids.shape[1]):
+                outs.append(model(ids[:, t:t + step], attention_mask=mask[:, :t + step], cache=cache, use_cache=True).logits)
+                t += step
+            runs.append(torch.cat(outs, 1))
+            assert all(layer.state.win_kf is None for layer in cache.layers)
+            assert len(cache.rope_ring) == min(window, ids.shape[1])
+            cache.reset()
+            assert len(cache.rope_ring) == 0 and cache.rope_ring.end == 0
+    real = mask.bool()
+    assert (runs[0] - full)[real].abs().max().item() <= 1e-10 * full.abs().max().item()
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_beam_search_and_left_padded_batch_generation():
+    """Beam search (the shared ring follows the beams) equals recomputation; a left-padded batch
+    generates what each row generates alone."""
+    model = _model()
+    ids, mask = _batch(n=14, pad=3)
+    with torch.no_grad():
+        for beams in (2, 3):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=beams, do_sample=False, return_dict_in_generate=True)
+            assert isinstance(out.cache, hf_rfa.RFACache)
+            assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=beams, do_sample=False, use_cache=False))
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        for row, pad in ((0, 0), (1, 3)):
+            alone = model.generate(ids[row:row + 1, pad:], attention_mask=mask[row:row + 1, pad:], max_new_tokens=10, do_sample=False)
+            assert torch.equal(batched[row, -10:], alone[0, -10:])
+
+
+def _prefilled(feature_input, n=80):
+    """The shipped recipe's shape of state (Hedgehog m=64 → 128 features, window 64, 4 sinks, decay)."""
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(
+        feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128.0, chunk_size=16,
+        feature_map_options={"hybrid_mix": True}, feature_input=feature_input))
+    ids = torch.randint(2, VOCAB, (2, n), generator=torch.Generator().manual_seed(3))
+    cache = hf_rfa.RFACache(model)
+    with torch.no_grad():
+        model(ids[:, :n - 2], cache=cache, use_cache=True)
+        for t in (n - 2, n - 1):  # and two decoding steps
+            model(ids[:, t:t + 1], cache=cache, use_cache=True)
+    return model, cache
+
+
+def test_unrotated_state_bytes_equal_the_rotated_recipe_plus_one_shared_ring():
+    """The defect this fixes: with feature_input='unrotated' every layer kept a copy of its window's
+    un-rotated keys (DecodeState.win_kf, W·D more numbers per kv head). Now each layer's state is
+    byte for byte the rotated recipe's, and the cache adds the rotations of the last W positions
+    once (not per layer)."""
+    model, cache = _prefilled("unrotated")
+    _, rotated = _prefilled("rotated")
+    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else model.config.hidden_size // model.config.num_attention_heads
+    for layer, ref in zip(cache.layers, rotated.layers):
+        assert layer.state.win_kf is None
+        assert layer.state.win_k.shape[2] == 64
+        assert {n: t.shape for n, t in layer.state.tensors().items()} == {n: t.shape for n, t in ref.state.tensors().items()}
+        assert layer.nbytes() == ref.nbytes()
+    assert rotated.ring_nbytes() == 0
+    ring = cache.rope_ring
+    rows = ring.cos.shape[0]
+    assert ring.cos.shape == (rows, 64, head_dim) and rows in (1, 2)
+    assert cache.ring_nbytes() == 2 * rows * 64 * head_dim * 4  # cos and sin, float32, once for all layers
+    assert cache.nbytes() == rotated.nbytes() + cache.ring_nbytes()
+    assert len(cache.layers) == 2  # (so a per-layer ring would have shown up as twice the bytes)
+
+
+def test_rope_ring_refuses_to_run_out_of_step():
+    from hf_rfa.hf.cache import RopeRing
+
+    ring = RopeRing(keep=2, users=2)
+    cos = sin = torch.ones(1, 3, 4)
+    c, _ = ring.local(0, 3, 0, cos, sin)
+    assert c.shape == (1, 3, 4) and len(ring) == 2
+    assert ring.local(0, 3, 0, cos, sin)[0].shape == (1, 3, 4)  # the second layer of the forward
+    c, _ = ring.local(3, 1, 2, cos[:, :1] * 2, sin[:, :1])
+    assert c.shape == (1, 3, 4) and torch.equal(c[0, :, 0], torch.tensor([1.0, 1.0, 2.0]))
+    with pytest.raises(RuntimeError, match="keeps a window of 3"):
+        ring.local(3, 1, 3, cos[:, :1], sin[:, :1])
+    with pytest.raises(RuntimeError, match="out of step"):
+        ring.local(7, 1, 0, cos[:, :1], sin[:, :1])
+    c, _ = ring.local(4, 1, 2, torch.ones(2, 1, 4), torch.ones(2, 1, 4))  # per-row positions: a batch-1 ring broadcasts
+    assert c.shape == (2, 3, 4) and ring.cos.shape == (2, 2, 4)
+    with pytest.raises(ValueError, match="does not continue the cache's batch"):
+        ring.local(5, 1, 0, torch.ones(3, 1, 4), torch.ones(3, 1, 4))
+    ring.map_batch(lambda t: t[[1]])
+    assert ring.cos.shape == (1, 2, 4) and ring.local(5, 1, 2, torch.ones(1, 1, 4), torch.ones(1, 1, 4))[0].shape == (1, 3, 4)

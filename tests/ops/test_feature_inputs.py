@@ -178,3 +178,135 @@ def test_bad_feature_inputs_are_refused():
     keeping = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32, feature_keys=True)
     with pytest.raises(ValueError, match="feature_keys=True"):
         continue_attention(keeping, q, k, v, fm, window=2)
+
+
+# --- cached decoding that derives the feature keys (feature_key_fn): no per-layer key copy ----------
+def _rotary(n, seed=7):
+    """Rotations ``(cos, sin)`` ``[B, n, D]`` of n positions, different per batch row (as with
+    per-row position ids), in transformers' rotate_half convention."""
+    ang = torch.rand(B, n, D // 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 40
+    emb = torch.cat([ang, ang], -1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(1) + torch.cat((-x2, x1), -1) * sin.unsqueeze(1)
+
+
+def _decode_deriving(q, k, v, fq, fm, mask, cos, sin, steps, window, sinks):
+    from hf_rfa.hf.rope import unrotate
+
+    state = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float64, compute_dtype=torch.float64)
+    outs, t = [], 0
+    for step in steps:
+        sl, wc = slice(t, t + step), state.win_k.shape[2]
+        block = slice(t - wc, t + step)  # the local block: kept window + new tokens
+
+        def fn(x, block=block):
+            return unrotate(x, cos[:, block], sin[:, block])
+
+        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=window, sinks=sinks,
+                                      chunk_size=8, feature_q=fq[:, :, sl], feature_key_fn=fn)
+        outs.append(o)
+        t += step
+    return torch.cat(outs, 2), state
+
+
+@pytest.mark.parametrize("name,kw,decay", [("favor+", {}, 0.0), ("hedgehog", {"hybrid_mix": True}, 9.0), ("rfa", {"gate": True}, 0.0)])
+@pytest.mark.parametrize("window,sinks", [(6, 2), (0, 0), (5, 0), (50, 2)])  # 50 > the 41 tokens
+@pytest.mark.parametrize("steps", [(1,) * 41, (13, 1, 1, 7, 1, 18)], ids=["token-by-token", "uneven-chunks"])
+def test_cached_decoding_deriving_feature_keys_equals_one_full_forward(name, kw, decay, window, sinks, steps):
+    """``feature_key_fn`` (the feature keys of the local block derived from the kept rotated keys):
+    the same outputs as one full forward with ``feature_q/feature_k`` (GQA, left padding, sinks,
+    decay/gate), and the state is exactly the plain one — no copy of the window's feature keys."""
+    fm = _map(name, decay, **kw)
+    q0, k0, v, fq, fk, mask = _inputs(41, seed=4)
+    cos, sin = _rotary(41)
+    q, k = _rotate(q0, cos, sin), _rotate(k0, cos, sin)  # the softmax part reads rotated q/k ...
+    fq, fk = q0, k0  # ... the feature part the un-rotated ones
+    full = random_feature_attention(q, k, v, fm, attention_mask=mask, window=window, sinks=sinks, chunk_size=8, feature_q=fq, feature_k=fk)
+    out, state = _decode_deriving(q, k, v, fq, fm, mask, cos, sin, steps, window, sinks)
+    assert rel(out, full) <= 1e-10
+    plain_full = random_feature_attention(q, k, v, fm, attention_mask=mask, window=window, sinks=sinks, chunk_size=8)
+    if window < 41:
+        assert rel(plain_full, full) > 1e-5  # the derived feature keys are read (not the rotated keys)
+    assert state.win_kf is None and state.seen == 41
+    plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float64, compute_dtype=torch.float64)
+    plain_state = continue_attention(plain, q, k, v, fm, mask, window=window, sinks=sinks, chunk_size=8)[1]
+    assert state.tensors().keys() == plain_state.tensors().keys()
+    assert state.nbytes() == plain_state.nbytes()  # nothing per layer beyond the rotated-only state
+    assert torch.equal(state.win_k, plain_state.win_k)  # the window keeps the rotated keys only
+
+
+def test_deriving_and_keeping_feature_keys_agree():
+    """The two ways of giving the window's feature keys (kept copy ``win_kf`` / derived by
+    ``feature_key_fn``) give the same outputs and the same feature state; only the copy differs."""
+    fm = _map("hedgehog", 7.0, hybrid_mix=True)
+    q0, k0, v, _, _, mask = _inputs(30, seed=9)
+    cos, sin = _rotary(30, seed=2)
+    q, k = _rotate(q0, cos, sin), _rotate(k0, cos, sin)
+    steps = (9, 1, 4, 1, 15)
+    derived, st_d = _decode_deriving(q, k, v, q0, fm, mask, cos, sin, steps, 5, 1)
+    st_k = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 1, torch.float64, compute_dtype=torch.float64, feature_keys=True)
+    outs, t = [], 0
+    for step in steps:
+        sl = slice(t, t + step)
+        o, st_k = continue_attention(st_k, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=5, sinks=1,
+                                     chunk_size=8, feature_q=q0[:, :, sl], feature_k=k0[:, :, sl])
+        outs.append(o)
+        t += step
+    assert rel(derived, torch.cat(outs, 2)) <= 1e-12
+    assert rel(st_d.linear.S, st_k.linear.S) <= 1e-12
+    assert st_k.nbytes() - st_d.nbytes() == st_k.win_kf.numel() * 8
+
+
+def test_bad_feature_key_fn_arguments_are_refused():
+    fm = _map("favor+", dtype=torch.float32)
+    q, k, v, fq, fk, _ = _inputs(10, dtype=torch.float32)
+    plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32)
+    ident = lambda x: x  # noqa: E731
+    with pytest.raises(ValueError, match="feature_k must be None with feature_key_fn"):
+        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_k=fk, feature_key_fn=ident)
+    with pytest.raises(ValueError, match="feature_key_fn needs feature_q"):
+        continue_attention(plain, q, k, v, fm, window=2, feature_key_fn=ident)
+    with pytest.raises(ValueError, match="feature_key_fn must be a callable"):
+        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_key_fn=3)
+    keeping = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32, feature_keys=True)
+    with pytest.raises(ValueError, match=r"feature_keys=False"):
+        continue_attention(keeping, q, k, v, fm, window=2, feature_q=fq, feature_key_fn=ident)
+    with pytest.raises(ValueError, match="feature_key_fn must return a floating tensor of the local block's shape"):
+        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_key_fn=lambda x: x[:, :, 1:])
+    with pytest.raises(ValueError, match="feature_q must have the shape"):
+        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq[:, :, 1:], feature_key_fn=ident)
+    with pytest.raises(ValueError, match="feature_key_fn="):  # a plain state without any feature keys: say how
+        continue_attention(keeping, q, k, v, fm, window=2)
+
+
+@pytest.mark.parametrize("mode", ["derive", "keep"])
+def test_nonfinite_feature_inputs_in_decoding_poison_like_the_full_forward(mode):
+    """A non-finite feature query / real feature key: the rows softmax would make NaN; one of a
+    padded position: nothing. The state stays finite (a derived key is derived again while kept)."""
+    fm = _map("favor+")
+    q, k, v, fq, _, mask = _inputs(12)  # row 1: positions 0-2 padded
+    fq[1, 0, 4, 2] = float("inf")
+    scale = torch.ones(B, 12, D, dtype=torch.float64)
+    scale[0, 6] = float("nan")  # the feature key of position 6 in row 0
+    scale[1, 1] = float("inf")  # and of a padded position
+    fk = k * scale.unsqueeze(1)
+    full = random_feature_attention(q, k, v, fm, attention_mask=mask, window=2, feature_q=fq, feature_k=fk)
+    state = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float64, compute_dtype=torch.float64, feature_keys=mode == "keep")
+    outs, t = [], 0
+    for step in (5, 1, 1, 5):
+        sl, wc = slice(t, t + step), state.win_k.shape[2]
+        blk = scale[:, t - wc:t + step]
+        feat = dict(feature_k=fk[:, :, sl]) if mode == "keep" else dict(feature_key_fn=lambda x, blk=blk: x * blk.unsqueeze(1))
+        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=2, feature_q=fq[:, :, sl], **feat)
+        outs.append(o)
+        t += step
+    out = torch.cat(outs, 2)
+    real = mask.bool()[:, None, :, None].expand_as(full)
+    assert torch.equal(torch.isnan(out) & real, torch.isnan(full) & real) and torch.isnan(full).any()
+    ok = ~torch.isnan(full) & real
+    assert rel(out[ok], full[ok]) <= 1e-12
+    assert all(torch.isfinite(x).all() for x in state.tensors().values() if x.is_floating_point())
