@@ -35,10 +35,18 @@ VARIANTS = {
     # exact global memory (hf_rfa.ops.memory): its 128 keys/values per kv head (+ the <= 64 keys awaiting
     # the next refresh) are part of the cache bytes reported (RFACache.nbytes)
     "rfa favor+ m=128 W=64 S=4 memory=128": dict(feature_map="favor+", num_features=128, window=64, sinks=4, memory=128, memory_every=64),
+    # the main job's recipe (Hedgehog m=64 -> 128 features on un-rotated q/k, decay) and its
+    # equal-state baseline (window-only W128): the cache bytes should match within the shared rotary ring
+    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated": dict(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated"),
+    "window-only W=128 S=4": dict(feature_map="none", window=128, sinks=4),
 }
 
 
-def build_models(layers: int):
+def build_models(layers: int, variants: list[str] | None = None):
+    """The softmax baseline and the converted copies named in ``variants`` (default: all VARIANTS)."""
+    unknown = [v for v in (variants or []) if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; allowed: {list(VARIANTS)}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -51,6 +59,8 @@ def build_models(layers: int):
     base.set_attn_implementation("sdpa")
     models = {"softmax sdpa + DynamicCache": base}
     for name, kw in VARIANTS.items():
+        if variants and name not in variants:
+            continue
         models[name] = hf_rfa.convert(copy.deepcopy(base), hf_rfa.RFAConfig(**kw)).eval()
     return models
 
@@ -134,11 +144,12 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk length")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared CPU)")
+    p.add_argument("--variants", nargs="+", default=None, help=f"names of VARIANTS to run (default: all): {list(VARIANTS)}")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode.md"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    models = build_models(args.layers)
+    models = build_models(args.layers, args.variants)
     results = {}
     for c in args.contexts:
         logger.info("context %d", c)

@@ -2,12 +2,14 @@
 
 Loads the model (default: the offline SmolLM2-135M-Instruct), times one no-grad forward over N
 held-out tokens with the original (SDPA) and with a converted copy (default: the main job's
-recipe, FAVOR+ m=256 + window 256 + 4 sinks), interleaved ``--reps`` times so both see the same
+recipe before session 9, FAVOR+ m=256 + window 256 + 4 sinks), interleaved ``--reps`` times so both see the same
 machine load, and prints the median seconds, the ratio and whether the goal (issue 13: converted
 ≥ 1.5× faster at 16,384 tokens) is met. One JSON line per N, then a Markdown table.
 
     python benchmarks/prefill.py [--n 4096 16384] [--reps 2] [--threads 2] [--goal 1.5]
-        [--feature-map favor+ --num-features 256 --window 256 --sinks 4] [--out benchmarks/results/prefill.md]
+        [--feature-map favor+ --num-features 256 --window 256 --sinks 4 --decay 0 --feature-input rotated]
+        [--out benchmarks/results/prefill.md]
+    the main job's recipe: --feature-map hedgehog --num-features 64 --window 64 --decay 128 --feature-input unrotated
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-features", type=int, default=256)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--decay", type=float, default=0.0, help="half-life of the feature state's decay (0: none)")
+    p.add_argument("--feature-input", default="rotated", help="rotated | unrotated (the main job's recipe: unrotated)")
     p.add_argument("--out", default=None, help="also write the Markdown table here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -51,7 +55,7 @@ def main(argv=None) -> None:
     from hf_rfa.recipes.conversion.pipeline import load_model
 
     model, tok, _ = load_model(a.model or str(assets.smollm2_path()))
-    cfg = hf_rfa.RFAConfig(feature_map=a.feature_map, num_features=a.num_features, window=a.window, sinks=a.sinks)
+    cfg = hf_rfa.RFAConfig(feature_map=a.feature_map, num_features=a.num_features, window=a.window, sinks=a.sinks, decay=a.decay, feature_input=a.feature_input)
     converted = hf_rfa.convert(copy.deepcopy(model), cfg).eval()
     ids = evaluation.tokenize(tok, evaluation.load_text(str(assets.wikipedia_text_file("eval"))))
     rows = []
@@ -69,8 +73,11 @@ def main(argv=None) -> None:
     met = rows[-1]["speedup"] >= a.goal
     lines = [
         f"Prefill (one no-grad forward) of `{a.model or 'SmolLM2-135M-Instruct'}`, original (SDPA) vs converted "
-        f"({a.feature_map} m={a.num_features} + window {a.window} + {a.sinks} sinks); {a.threads} threads, median of "
-        f"{a.reps} interleaved runs. `python benchmarks/prefill.py --n {' '.join(map(str, a.n))} --reps {a.reps} --threads {a.threads}`",
+        f"({a.feature_map} m={a.num_features} + window {a.window} + {a.sinks} sinks"
+        + (f", decay {a.decay:g}" if a.decay else "") + (", un-rotated q/k" if a.feature_input == "unrotated" else "")
+        + f"); {a.threads} threads, median of {a.reps} interleaved runs. `python benchmarks/prefill.py --n {' '.join(map(str, a.n))} "
+        f"--reps {a.reps} --threads {a.threads} --feature-map {a.feature_map} --num-features {a.num_features} --window {a.window} "
+        f"--sinks {a.sinks} --decay {a.decay:g} --feature-input {a.feature_input}`",
         "", "| N | original s | converted s | speed-up |", "|---|---|---|---|",
     ] + [f"| {r['n']} | {r['original']:.1f} | {r['converted']:.1f} | {r['speedup']:.2f}× |" for r in rows]
     lines += ["", f"Goal: ≥ {a.goal}× at N={rows[-1]['n']}: " + ("MET" if met else "NOT met") + f" ({rows[-1]['speedup']:.2f}×)."]
