@@ -19,6 +19,7 @@ import argparse
 import copy
 import logging
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -112,8 +113,8 @@ def report(results: dict, args) -> str:
         f"Llama with SmolLM2-135M shapes (hidden 576, 9 heads, 3 kv heads, head dim 64, MLP 1536, vocab 49152), "
         f"**{args.layers} layers** (SmolLM2 has 30), random weights, fp32, batch 1, torch threads={torch.get_num_threads()}. "
         f"Median of {args.steps} single-token decode steps after prefilling the context in chunks of {args.chunk}; "
-        "models timed alternately step by step. Command: `python benchmarks/decode.py`"
-        + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "") + ".",
+        "models timed alternately step by step. Command: `python benchmarks/decode.py"
+        + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "") + "`.",
         "",
         "| context | model | ms / token | cache MiB | prefill s |",
         "|---:|---|---:|---:|---:|",
