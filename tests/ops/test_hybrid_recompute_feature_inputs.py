@@ -11,32 +11,20 @@ those of the autograd form with the same substitute parameters (``HybridFunction
 (before, backward silently recomputed with the map's current tensors).
 """
 
-import functools
 
 import pytest
 import torch
 
 import hf_rfa
 from hf_rfa.ops import attention
-from hf_rfa.ops.backends import native
 from conftest import rel
 from tolerances import GRAD_FP32, GRAD_FP64
 
 B, H, HKV, N, D = 2, 4, 2, 53, 8
 
 
-@pytest.fixture(autouse=True)
-def pytorch_forms_only():
-    old = native.native_enabled()
-    native.set_native(False)
-    yield
-    native.set_native(old)
-
-
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of 16 tokens (chunk 4): four blocks at N = 53, the last one split by the scan."""
-    monkeypatch.setattr(attention, "hybrid_attention", functools.partial(attention.hybrid_attention, block_size=16))
+# the same forms-only and small-block fixtures as the plain hybrid tests (pytorch_forms_only is autouse)
+from test_hybrid_recompute import pytorch_forms_only, small_blocks  # noqa: E402,F401
 
 
 def _inputs(n=N, h=H, hkv=HKV, dtype=torch.float32, seed=0, pad=True):
