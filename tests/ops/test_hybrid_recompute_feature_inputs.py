@@ -10,7 +10,7 @@ those of the autograd form with the same substitute parameters (``HybridFunction
 ``ScanFunction``), and a parameter changed in place between forward and backward is an error
 (before, backward silently recomputed with the map's current tensors).
 """
-
+import functools
 
 import pytest
 import torch
@@ -21,12 +21,8 @@ from conftest import rel
 from tolerances import GRAD_FP32, GRAD_FP64
 
 B, H, HKV, N, D = 2, 4, 2, 53, 8
-
-
 # the same forms-only and small-block fixtures as the plain hybrid tests (pytorch_forms_only is autouse)
 from test_hybrid_recompute import pytorch_forms_only, small_blocks  # noqa: E402,F401
-
-
 def _inputs(n=N, h=H, hkv=HKV, dtype=torch.float32, seed=0, pad=True):
     """q, k, v, feature_q, feature_k (independent draws) and a padding mask."""
     g = torch.Generator().manual_seed(seed)
@@ -35,8 +31,6 @@ def _inputs(n=N, h=H, hkv=HKV, dtype=torch.float32, seed=0, pad=True):
     if pad:
         mask[-1, :5] = False  # left padding in the last row
     return q, k, v, fq, fk, mask
-
-
 def _fm(name, decay=False, dtype=torch.float32, h=H, hkv=HKV):
     kw = {"gate": True} if name == "rfa" else {"hybrid_mix": True} if name == "hedgehog-mix" else {}
     fm = hf_rfa.build_feature_map(name.split("-")[0], head_dim=D, num_features=12, seed=3, num_heads=h, num_kv_heads=hkv, **kw)
@@ -48,8 +42,6 @@ def _fm(name, decay=False, dtype=torch.float32, h=H, hkv=HKV):
         with torch.no_grad():
             fm.gate_weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
     return fm.to(dtype)
-
-
 def _graph_has(out: torch.Tensor, name: str) -> bool:
     """Whether a node whose type name contains ``name`` is in ``out``'s graph."""
     seen, todo = set(), [out.grad_fn]
@@ -62,8 +54,6 @@ def _graph_has(out: torch.Tensor, name: str) -> bool:
             return True
         todo += [f for f, _ in fn.next_functions]
     return False
-
-
 def _grads(fm, tensors, up, ckpt, chunk_size=4, **kw):
     """Output and gradients (q, k, v, feature_q, feature_k, then every map parameter) of
     ``(op * up).sum()``."""
@@ -73,8 +63,6 @@ def _grads(fm, tensors, up, ckpt, chunk_size=4, **kw):
     assert _graph_has(out, "HybridFunction") == ckpt
     (out * up).sum().backward()
     return [out] + [t.grad for t in leaves] + [None if p.grad is None else p.grad.clone() for p in fm.parameters()]
-
-
 def _close(got: list, want: list, tol: float) -> None:
     """Each pair within ``tol`` (relative), or both None (a parameter without a gradient)."""
     assert len(got) == len(want)
@@ -82,8 +70,6 @@ def _close(got: list, want: list, tol: float) -> None:
         assert (a is None) == (b is None), i
         if a is not None:
             assert rel(a, b) <= tol, (i, rel(a, b))
-
-
 CASES = {  # name: (map, decay, window, sinks, padding, query heads)
     "favor+-W6-S3": ("favor+", False, 6, 3, True, H),
     "favor+-W20-S2-nopad": ("favor+", False, 20, 2, False, H),
@@ -97,8 +83,6 @@ CASES = {  # name: (map, decay, window, sinks, padding, query heads)
     "hedgehog-W>=N-S2": ("hedgehog", False, 60, 2, True, H),
     "rfa-gate-W6-S2": ("rfa", False, 6, 2, True, H),
 }
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_feature_inputs_match_autograd_form_float32(case, small_blocks):
     name, decay, window, sinks, pad, h = CASES[case]
@@ -112,8 +96,6 @@ def test_feature_inputs_match_autograd_form_float32(case, small_blocks):
     if window < N:  # every input and parameter gets a gradient (W >= N: no feature part)
         assert all(x is not None for x in got) and all(float(g.abs().max()) > 0 for g in got[4:6])
     _close(got, want, GRAD_FP32)
-
-
 @pytest.mark.parametrize("case", ["favor+-W6-S3", "favor+-decay-W6-S2", "hedgehog-decay-W6-S2", "hedgehog-mix-decay-W5-S1", "rfa-gate-W6-S2"])
 def test_feature_inputs_match_autograd_form_float64(case, small_blocks):
     name, decay, window, sinks, pad, h = CASES[case]
@@ -125,8 +107,6 @@ def test_feature_inputs_match_autograd_form_float64(case, small_blocks):
     got = _grads(fm, (q, k, v, fq, fk), up, True, **kw)
     assert got[0].dtype == torch.float64
     _close(got, want, GRAD_FP64)
-
-
 @pytest.mark.parametrize("chunk_size", [6, 64], ids=["chunk6-blocks12", "chunk>N"])
 def test_chunk_sizes_the_blocks_do_not_divide(chunk_size, small_blocks):
     """Blocks of 12 tokens (chunk 6, block 16 rounded down) or one chunk longer than N."""
@@ -135,8 +115,6 @@ def test_chunk_sizes_the_blocks_do_not_divide(chunk_size, small_blocks):
     up = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(1))
     kw = dict(attention_mask=mask, window=7, sinks=2, chunk_size=chunk_size)
     _close(_grads(fm, (q, k, v, fq, fk), up, True, **kw), _grads(fm, (q, k, v, fq, fk), up, False, **kw), GRAD_FP32)
-
-
 def test_queries_fewer_than_keys(small_blocks):
     """Nq < Nk: the queries (and feature queries) are the last Nq positions."""
     q, k, v, fq, fk, mask = _inputs()
@@ -145,8 +123,6 @@ def test_queries_fewer_than_keys(small_blocks):
     tensors = (q[:, :, -20:], k, v, fq[:, :, -20:], fk)
     kw = dict(attention_mask=mask, window=6, sinks=2)
     _close(_grads(fm, tensors, up, True, **kw), _grads(fm, tensors, up, False, **kw), GRAD_FP32)
-
-
 def test_dispatcher_passes_feature_inputs_to_hybrid_function(monkeypatch):
     """The causal hybrid in training with feature inputs runs HybridFunction, and the feature
     inputs reach it (not q/k); the separate band/scan Functions are not used."""
@@ -165,8 +141,6 @@ def test_dispatcher_passes_feature_inputs_to_hybrid_function(monkeypatch):
     assert torch.equal(seen[0][0], fq) and torch.equal(seen[0][1], fk)
     assert _graph_has(out, "HybridFunction")
     assert not _graph_has(out, "BandFunction") and not _graph_has(out, "ScanFunction")
-
-
 @pytest.mark.parametrize("name,decay,window,sinks", [("favor+", False, 3, 2), ("hedgehog", True, 3, 1), ("hedgehog", False, 0, 2)], ids=["favor+-W3-S2", "hedgehog-decay-W3-S1", "hedgehog-S2"])
 def test_gradcheck_float64(name, decay, window, sinks, monkeypatch):
     monkeypatch.setattr(attention, "hybrid_attention", functools.partial(attention.hybrid_attention, block_size=4))
@@ -185,8 +159,6 @@ def test_gradcheck_float64(name, decay, window, sinks, monkeypatch):
         return out[:, :, 2:]  # real rows
 
     assert torch.autograd.gradcheck(f, (q, k, v, fq, fk), eps=1e-6, atol=1e-6, fast_mode=True)
-
-
 def _saved_bytes(fn) -> int:
     """Bytes of the tensors autograd saves for backward while ``fn`` runs (each counted once per
     save); the result's backward is run to free them."""
@@ -200,8 +172,6 @@ def _saved_bytes(fn) -> int:
         out = fn()
     out.sum().backward()
     return total[0]
-
-
 def test_saved_bytes_are_inputs_plus_o_of_n(monkeypatch):
     """SmolLM2-shaped un-rotated hybrid layer (9 query / 3 kv heads, D 64, Hedgehog m 64 with a
     decay, window 64, 4 sinks, N = 1024): what autograd keeps is q, k, v, feature_q, feature_k
@@ -222,11 +192,7 @@ def test_saved_bytes_are_inputs_plus_o_of_n(monkeypatch):
     monkeypatch.setattr(attention, "_hybrid_function_applies", lambda *a: False)  # separate Functions
     old = _saved_bytes(call)
     assert old > 1.5 * bound, (old, bound)
-
-
 # ---- parameters: backward uses the tensors forward ran with ------------------------------------
-
-
 class _Layer(torch.nn.Module):
     """One attention call as a Module, so that ``torch.func.functional_call`` can substitute the
     map's parameters (``fm.<name>``)."""
@@ -238,14 +204,10 @@ class _Layer(torch.nn.Module):
 
     def forward(self, q, k, v, fq=None, fk=None):
         return hf_rfa.random_feature_attention(q, k, v, self.fm, feature_q=fq, feature_k=fk, **self.kw)
-
-
 def _substitutes(fm, seed=7):
     """Parameters unlike the map's own (leaves requiring grad), by name."""
     g = torch.Generator().manual_seed(seed)
     return {n: (p.detach() + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype)).requires_grad_() for n, p in fm.named_parameters()}
-
-
 def _functional_grads(fm, tensors, ckpt, fn_name, **kw):
     """Output and gradients of the inputs and of substitute parameters under functional_call;
     the map's own parameters get no gradient."""
@@ -257,8 +219,6 @@ def _functional_grads(fm, tensors, ckpt, fn_name, **kw):
     (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
     assert all(p.grad is None for p in fm.parameters())
     return [out] + [t.grad for t in leaves] + [subs[n].grad for n in sorted(subs)]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("form", ["hybrid-feature-inputs", "hybrid", "scan"])
 def test_functional_call_parameters_are_used_in_backward(form, dtype, small_blocks):
@@ -276,16 +236,12 @@ def test_functional_call_parameters_are_used_in_backward(form, dtype, small_bloc
     # and the substitutes matter: the map's own parameters give other gradients
     own = _grads_plain(fm, tensors, **kw)
     assert rel(got[1], own[1]) > 1e-3
-
-
 def _grads_plain(fm, tensors, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     out = _Layer(fm, checkpoint_blocks=True, chunk_size=4, **kw)(*leaves)
     (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
     fm.zero_grad()
     return [out] + [t.grad for t in leaves]
-
-
 @pytest.mark.parametrize("name", ["hedgehog", "favor+-learnable"])
 @pytest.mark.parametrize("form", ["hybrid-feature-inputs", "hybrid", "scan"])
 def test_parameter_changed_between_forward_and_backward_is_an_error(form, name):
@@ -309,8 +265,6 @@ def test_parameter_changed_between_forward_and_backward_is_an_error(form, name):
             next(fm.parameters()).mul_(1.5)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
-
-
 def test_frozen_map_parameters_get_no_gradient(small_blocks):
     """A frozen map (e.g. LoRA on the model only): q, k, v and the feature inputs still get the
     autograd form's gradients, the parameters none."""
