@@ -6,7 +6,10 @@
     .venv/bin/python benchmarks/train_step.py --n 16384 --dtypes fp32-ckpt --models converted
 
 Batch 1, ``model(ids, labels=ids).loss.backward()``, all parameters trainable, ``model.train()``;
-converted = FAVOR+ m=256 + window 256 + 4 sinks (the main job's recipe). Each case (model, N,
+converted = ``--recipe``: ``main`` (default; the main job's recipe since session 9, Hedgehog m=64 +
+window 64 + 4 sinks + decay on un-rotated q/k; rows in ``results/train_step_recipe.*``) or
+``favor256`` (FAVOR+ m=256 + window 256 + 4 sinks, the recipe the issue-14 table was first
+measured with; rows in ``results/train_step.*``). Each case (model, N,
 dtype) runs in its own subprocess (so its peak RSS, ``resource.getrusage``, is its own): load,
 convert, one warm-up step, ``--steps`` measured steps (tokens/s = N / the fastest one). ``bf16``
 runs the step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (what Trainer's ``--bf16``
@@ -30,7 +33,18 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-RECIPE = dict(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0)
+#: converted recipes (``--recipe``): ``main`` is ``make main``'s since session 9; ``favor256`` the
+#: one the issue-14 table was first measured with (``benchmarks/results/train_step.md``)
+RECIPES = {
+    "main": dict(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128.0, feature_input="unrotated", seed=0, feature_map_options={"hybrid_mix": True}),
+    "favor256": dict(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0),
+}
+RECIPE_NAMES = {
+    "main": "Hedgehog m=64 (128 features) + window 64 + 4 sinks + decay half-life 128 on un-rotated q/k (the main job's recipe)",
+    "favor256": "FAVOR+ m=256 + window 256 + 4 sinks",
+}
+#: where each recipe's rows are merged by default
+DEFAULT_OUT = {"main": RESULTS / "train_step_recipe", "favor256": RESULTS / "train_step"}
 
 
 #: the default lengths, and what ``--long`` adds (16384: converted only, see ``--original-max``)
@@ -38,7 +52,7 @@ SHORT_N = [1024, 2048, 4096]
 LONG_N = [8192, 16384]
 
 
-def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) -> dict:
+def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, recipe: str = "main") -> dict:
     """Runs in the child process: load, (convert), warm-up step, ``steps`` measured steps."""
     import resource
     import time
@@ -56,7 +70,7 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     if model_kind == "converted":
-        model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPE))
+        model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES[recipe]))
     model.train()
     if dtype.endswith("-ckpt"):  # transformers' activation checkpointing: each layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -79,8 +93,8 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1) 
     return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "load_avg_1m": os.getloadavg()[0]}
 
 
-def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1) -> dict:
-    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads), "--steps", str(steps)]
+def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1, recipe: str = "main") -> dict:
+    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads), "--steps", str(steps), "--recipe", recipe]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -120,7 +134,7 @@ def render(results: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, recipe: str = "main") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,12 +152,12 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_xlabel("tokens")
         ax.set_title(title)
         ax.legend()
-    fig.suptitle("SmolLM2-135M, batch 1, original vs converted (FAVOR+ m=256, window 256, 4 sinks)")
+    fig.suptitle(f"SmolLM2-135M, batch 1, original vs converted ({RECIPE_NAMES[recipe].split(' (')[0]})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "N", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, nargs="+", default=None, help=f"token counts (default {SHORT_N}, with --long also {LONG_N})")
@@ -154,12 +168,17 @@ def main() -> None:
     ap.add_argument("--original-max", type=int, default=8192, help="largest N run for the original model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
-    ap.add_argument("--out", type=Path, default=RESULTS / "train_step")
+    ap.add_argument("--recipe", default="main", help=f"converted recipe, one of {sorted(RECIPES)} (default main: the main job's)")
+    ap.add_argument("--out", type=Path, default=None, help="results stem (default: benchmarks/results/train_step_recipe for main, train_step for favor256)")
     ap.add_argument("--render-only", action="store_true", help="rewrite the .md/.png from the .json, run nothing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {args.recipe!r}")
+    if args.out is None:
+        args.out = DEFAULT_OUT[args.recipe]
     if args.child:
         model, n, dt = args.child
-        print(json.dumps(one_case(model, int(n), dt, args.threads, args.steps)), flush=True)
+        print(json.dumps(one_case(model, int(n), dt, args.threads, args.steps, args.recipe)), flush=True)
         return
     if args.steps < 1:
         raise ValueError(f"steps must be >= 1, got {args.steps}")
@@ -169,7 +188,7 @@ def main() -> None:
     results = json.loads(store.read_text()) if store.is_file() else []
     runs_file = args.out.with_suffix(".runs.json")
     runs = json.loads(runs_file.read_text()) if runs_file.is_file() else []
-    command = "python benchmarks/train_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python benchmarks/train_step.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if not args.render_only:
         runs.append({"command": command.strip(), "load_avg_start": os.getloadavg()[0]})
     for n in ns if not args.render_only else []:
@@ -177,7 +196,7 @@ def main() -> None:
             for model in args.models:
                 if model == "original" and n > args.original_max:
                     continue
-                r = run_case(model, n, dt, args.threads, args.timeout, args.steps)
+                r = run_case(model, n, dt, args.threads, args.timeout, args.steps, args.recipe)
                 print(json.dumps(r), flush=True)
                 results = [x for x in results if _key(x) != _key(r)] + [r]
                 store.write_text(json.dumps(results, indent=1))
@@ -189,13 +208,13 @@ def main() -> None:
     args.out.with_suffix(".md").write_text(
         "# Training step: original vs converted SmolLM2-135M\n\n"
         "`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, threads per row, "
-        "fastest measured step after a warm-up; converted = FAVOR+ m=256 + window 256 + 4 sinks; peak RSS of the case's own process; "
+        f"fastest measured step after a warm-up; converted = {RECIPE_NAMES[args.recipe]} (`--recipe {args.recipe}`); peak RSS of the case's own process; "
         "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt = fp32 with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward). Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
         "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
         "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"
     )
-    plot(results, args.out.with_suffix(".png"))
+    plot(results, args.out.with_suffix(".png"), args.recipe)
     print(table)
 
 

@@ -34,3 +34,17 @@ def test_render_pairs_original_and_converted_per_dtype():
     table = bench.render(rows)
     assert "| 4096 | fp32-ckpt | 2 | 40 | 60 | 1.50× | 8.0 | 6.0 | 0.75× |" in table
     assert "| 16384 | fp32-ckpt | — | — | killed (out of memory?) | — |" in table
+
+
+def test_unknown_recipe_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match=r"recipe must be one of \['favor256', 'main'\]"):
+        bench.main(["--recipe", "favor", "--render-only"])
+
+
+def test_recipes_build_valid_configs():
+    import hf_rfa
+
+    for name, kw in bench.RECIPES.items():
+        cfg = hf_rfa.RFAConfig(**kw)
+        assert cfg.feature_map == kw["feature_map"] and name in bench.RECIPE_NAMES and name in bench.DEFAULT_OUT
+    assert bench.RECIPES["main"]["feature_input"] == "unrotated"

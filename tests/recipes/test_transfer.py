@@ -181,6 +181,18 @@ def test_lora_finetune_returns_merged_converted_model():
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, w0)
 
 
+def test_lora_finetune_on_an_unconverted_model_keeps_its_attention():
+    """The reference row (the original with the same LoRA budget) trains with the model's own
+    attention: no rfa layer is needed, the attention implementation is left as it was."""
+    m = tiny_model("llama")
+    impl = m.config._attn_implementation
+    w0 = m.model.layers[0].self_attn.q_proj.weight.clone()
+    merged, res = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 2, 0), tokens=64 * 2 * 2, lr=1e-2, progress=False)
+    assert res.steps == 2 and res.losses[-1] < res.losses[0] + 1.0
+    assert merged.config._attn_implementation == impl and not hasattr(merged.model.layers[0].self_attn, "rfa")
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, w0)
+
+
 def test_transfer_on_last_queries_only():
     m = tiny_model("llama")
     with torch.no_grad():

@@ -23,6 +23,7 @@ next-token loss and merges them, returning a plain converted model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -307,7 +308,9 @@ def lora_finetune(
     train_feature_maps: bool = False,
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
-    converted model and a :class:`TransferResult`. Feature maps stay frozen unless
+    converted model and a :class:`TransferResult`. An unconverted model (no ``rfa`` layer) trains
+    with its own attention: the same budget on the original is the reference for how much of a
+    LoRA's gain is adaptation to the text rather than to the conversion. Feature maps stay frozen unless
     ``train_feature_maps`` (then their parameters, e.g. a ``decay``, train end to end with the
     adapters: PEFT's ``modules_to_save`` copies, folded back by the merge). Causal LMs only
     (labels = inputs)."""
@@ -330,8 +333,9 @@ def lora_finetune(
     bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
     base = peft_model.get_base_model()
     peft_model.train()
+    converted = any(getattr(m, "rfa", None) is not None for m in base.modules())
     try:
-        with attn_implementation(base, TRAIN_NAME):
+        with attn_implementation(base, TRAIN_NAME) if converted else contextlib.nullcontext():
             for ids, mask in batches:
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
