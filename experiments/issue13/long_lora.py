@@ -6,6 +6,10 @@ of ``--tokens`` tokens at ``--context`` (merged). The window-only baselines are 
 the main job (convert the original, LoRA 8,192 tokens @1024 on the main job's stream: seed 0 + 7),
 so every row has had 8,192 @1024 + the extra LoRA. Held-out perplexity at 1024 / 4096 / 8192 with
 the main job's budgets (4,096 / 4,096 / 8,192 tokens), before and after the extra LoRA.
+``original`` is the unconverted model with the same LoRA budgets: the reference for how much of a
+LoRA's gain is adaptation to the Wikipedia text rather than to the conversion (with
+``--first-tokens 0 --tokens 32768 --context 4096 --stream-seed 7`` it gets exactly the session-11
+main job's LoRA).
 JSON lines to ``--out``.
 """
 import argparse
@@ -28,6 +32,8 @@ p.add_argument("--variants", default="recipe,none64,none128", help="recipe, none
 p.add_argument("--tokens", type=int, default=32768)
 p.add_argument("--context", type=int, default=4096)
 p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--first-tokens", type=int, default=8192, help="the main job's (session 10) first LoRA @1024 for the rebuilt baselines and the original (0: none)")
+p.add_argument("--stream-seed", type=int, default=101, help="seed of the extra LoRA's stream (7: the main job's LoRA stream with seed 0)")
 p.add_argument("--contexts", default="1024,4096,8192")
 p.add_argument("--out", default="experiments/issue13/long_lora.jsonl")
 a = p.parse_args()
@@ -47,14 +53,17 @@ for v in a.variants.split(","):
     if v == "recipe":
         model, _, _ = load_model(a.recipe_model)
     elif v == "original":  # the unconverted model with the same LoRA budgets: how much is domain adaptation
-        model, _ = transfer.lora_finetune(copy.deepcopy(orig), evaluation.shuffled_batches(train, 1024, 1, 7), 8192, lr=1e-3, r=8, progress=False)
+        model = copy.deepcopy(orig)
+        if a.first_tokens:
+            model, _ = transfer.lora_finetune(model, evaluation.shuffled_batches(train, 1024, 1, 7), a.first_tokens, lr=1e-3, r=8, progress=False)
     else:
         w = int(v.removeprefix("none"))
         model = hf_rfa.convert(copy.deepcopy(orig), hf_rfa.RFAConfig(feature_map="none", window=w, sinks=4, seed=0))
-        model, _ = transfer.lora_finetune(model, evaluation.shuffled_batches(train, 1024, 1, 7), 8192, lr=1e-3, r=8, progress=False)
-    row = {"variant": v, "extra_lora_tokens": a.tokens, "extra_lora_context": a.context, "lr": a.lr, "before": ppl(model)}
+        if a.first_tokens:
+            model, _ = transfer.lora_finetune(model, evaluation.shuffled_batches(train, 1024, 1, 7), a.first_tokens, lr=1e-3, r=8, progress=False)
+    row = {"variant": v, "first_lora_tokens": a.first_tokens if v != "recipe" else "(in the checkpoint)", "extra_lora_tokens": a.tokens, "extra_lora_context": a.context, "lr": a.lr, "stream_seed": a.stream_seed, "before": ppl(model)}
     t1 = time.time()
-    model, res = transfer.lora_finetune(model, evaluation.shuffled_batches(train, a.context, 1, 101), a.tokens, lr=a.lr, r=8, progress=False)
+    model, res = transfer.lora_finetune(model, evaluation.shuffled_batches(train, a.context, 1, a.stream_seed), a.tokens, lr=a.lr, r=8, progress=False)
     row["extra_lora_minutes"] = round((time.time() - t1) / 60, 2)
     row["after"] = ppl(model)
     row["minutes"] = round((time.time() - t0) / 60, 2)
