@@ -1,10 +1,10 @@
 """What a SmolLM2-135M training step keeps for backward, original vs converted.
 
-    .venv/bin/python benchmarks/saved_activations.py --n 4096
+    .venv/bin/python benchmarks/saved_activations.py --n 4096 [--recipe main|favor256]
 
 Batch 1, ``model(ids, labels=ids).loss`` under ``torch.autograd.graph.saved_tensors_hooks``,
-``model.train()``, converted = the recipe of ``train_step.py`` (FAVOR+ m=256 + window 256 +
-4 sinks). Reports the bytes of the distinct storages saved for backward (a tensor saved by several
+``model.train()``, converted = a recipe of ``train_step.py`` (``--recipe``: ``main``, the main
+job's, default; ``favor256``: FAVOR+ m=256 + window 256 + 4 sinks). Reports the bytes of the distinct storages saved for backward (a tensor saved by several
 ops, or a view of a saved storage, counts once) and the process's peak RSS after one backward, then
 the saved storages whose (shape, dtype) count differs between the two models. Both models run in
 this one process, one after the other (so the second peak RSS includes the first's high-water
@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger("saved_activations")
 
 
-def saved_storages(kind: str, n: int) -> dict[int, tuple[int, tuple, str]]:
+def saved_storages(kind: str, n: int, recipe: str = "main") -> dict[int, tuple[int, tuple, str]]:
     """``{storage pointer: (bytes, a saved shape, dtype)}`` of one forward of ``kind``; runs its backward."""
     from transformers import AutoModelForCausalLM
 
@@ -33,11 +33,11 @@ def saved_storages(kind: str, n: int) -> dict[int, tuple[int, tuple, str]]:
     from hf_rfa.assets.models import smollm2_path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_step import RECIPE
+    from train_step import RECIPES
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     if kind == "converted":
-        model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPE))
+        model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES[recipe]))
     model.train()
     ids = torch.randint(10, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     seen: dict[int, tuple[int, tuple, str]] = {}
@@ -57,12 +57,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--recipe", default="main", help="converted recipe of train_step.py: main (default) or favor256")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_step import RECIPES
+
+    if args.recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {args.recipe!r}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     counts = {}
     for kind in ("original", "converted"):
-        seen = saved_storages(kind, args.n)
+        seen = saved_storages(kind, args.n, args.recipe)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
         logger.info("%s N=%d: saved storages %.3f GiB, process peak RSS so far %.2f GiB", kind, args.n, sum(v[0] for v in seen.values()) / 2**30, rss)
         counts[kind] = collections.Counter((shape, dt, nb) for nb, shape, dt in seen.values())

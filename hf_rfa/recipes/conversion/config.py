@@ -51,6 +51,7 @@ class ConversionConfig:
     transfer_lr: float = field(default=1e-2, metadata={"help": "learning rate of attention transfer"})
     lora_lr: float = field(default=1e-3, metadata={"help": "learning rate of LoRA"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    train_autocast: str = field(default="auto", metadata={"help": "mixed precision of attention transfer and LoRA: auto (bf16 where it is faster: CUDA with bf16, CPUs with AMX / AVX-512 BF16; else float32), off, bf16"})
     baselines: bool = field(default=True, metadata={"help": "also evaluate pure random features and the untrained random-feature hybrid"})
     random_hybrid: bool = field(default=True, metadata={"help": "baselines include random features + window + sinks"})
     eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context through the training attention function (the op's autograd form; the name predates it: it was the quadratic twin); 0: never, always the inference form"})
@@ -87,6 +88,9 @@ class ConversionConfig:
         for name in ("eval_tokens", "transfer_queries", "lora_context"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1, "None or ")
+        from .precision import check_autocast
+
+        check_autocast(self.train_autocast)
         if self.learnable_projections:
             from ...feature_maps import feature_map_class
             from ...feature_maps.random_projections import RandomProjectionMap

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .. import evaluation
-from . import calibration, transfer
+from . import calibration, precision, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
@@ -35,6 +35,11 @@ def _max_seconds(minutes: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------- inputs and the original
+def _autocast(s: State):
+    """The training stages' autocast dtype (``cfg.train_autocast`` on the model's device; None: fp32)."""
+    return precision.resolve_autocast(s.cfg.train_autocast, next(s.model.parameters()).device)
+
+
 def load_texts(s: State) -> None:
     """Causal: tokenised calibration / train / eval text, calibration windows of the error table."""
     cfg = s.cfg
@@ -122,7 +127,7 @@ def window_only_baseline(s: State) -> None:
         return
     trained, res = transfer.lora_finetune(
         copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-        max_seconds=_max_seconds(cfg.lora_minutes),
+        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
     )
     s.stages["lora (window-only)"] = res.as_dict()
     s.baseline = f"{label}, after LoRA"
@@ -134,7 +139,7 @@ def window_only_baseline(s: State) -> None:
         convert(s.model, RFAConfig(feature_map="none", window=w, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
         trained, res = transfer.lora_finetune(
             copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-            max_seconds=_max_seconds(cfg.lora_minutes),
+            max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
         )
         s.stages[f"lora (window-only {w})"] = res.as_dict()
         evaluate(s, f"window-only: window {w} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features, after LoRA", res.as_dict(), of=trained, passkey=True)
@@ -189,6 +194,7 @@ def attention_transfer(s: State) -> None:
     res = transfer.attention_transfer(
         s.model, s.train_stream(), cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
         queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None, max_seconds=_max_seconds(cfg.transfer_minutes),
+        autocast=_autocast(s),
     )
     s.stages["transfer"] = res.as_dict()
     s.layer_errors(f"{s.label}, after transfer")
@@ -203,7 +209,7 @@ def lora(s: State) -> None:
         return
     s.model, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-        max_seconds=_max_seconds(cfg.lora_minutes),
+        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
     )
     stage = res.as_dict()
     if "transfer" in s.stages:

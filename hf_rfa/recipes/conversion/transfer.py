@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from . import precision
 from .calibration import Captured, _unrotated, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
 from ...ops.masks import NEG, key_mask_bool, sink_mask
 from ...ops.reference import quadratic_kernel_attention
@@ -55,11 +56,15 @@ class TransferResult:
     steps: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
+    autocast: str | None = None  # "bf16" when the stage ran under autocast (precision.dtype_name)
 
     def as_dict(self) -> dict:
         first = self.losses[0] if self.losses else None
         last = self.losses[-1] if self.losses else None
-        return {"tokens": self.tokens, "steps": self.steps, "minutes": self.seconds / 60, "loss_first": first, "loss_last": last}
+        out = {"tokens": self.tokens, "steps": self.steps, "minutes": self.seconds / 60, "loss_first": first, "loss_last": last}
+        if self.autocast is not None:
+            out["autocast"] = self.autocast
+        return out
 
 
 class BudgetNotReached(RuntimeError):
@@ -175,6 +180,7 @@ def attention_transfer(
     twin_max_keys: int = TWIN_MAX_KEYS,
     max_position: int | None = None,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> TransferResult:
     """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
 
@@ -195,6 +201,8 @@ def attention_transfer(
             ``offset`` in ``[0, max_position − N]`` (drawn from ``seed``), so a map applied to
             rotary-embedded q/k learns every absolute position up to ``max_position``, not only
             those below the training context. None: positions from 0.
+        autocast: ``torch.bfloat16`` runs the teacher's forward and the layers' outputs under
+            autocast (:mod:`.precision`; the loss in float32); None: float32.
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
     Raises ValueError when the converted layers have nothing to train (random maps).
     """
@@ -218,6 +226,8 @@ def attention_transfer(
     if max_position is not None and (isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1):
         raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
     model.eval()
+    device = next(model.parameters()).device
+    res.autocast = precision.dtype_name(autocast) if autocast is not None else None
     try:
         for ids, mask in batches:
             pos = None
@@ -227,7 +237,8 @@ def attention_transfer(
                     raise ValueError(f"max_position ({max_position}) must be at least the context ({n_ctx})")
                 off = int(torch.randint(0, max_position - n_ctx + 1, (1,), generator=gen))
                 pos = (torch.arange(n_ctx) + off).expand(ids.shape[0], n_ctx)
-            caps = capture(model, ids, mask, pos)
+            with precision.autocast(device, autocast):
+                caps = capture(model, ids, mask, pos)
             if init_mix and res.steps == 0:
                 init_mixing(model, caps)
             if res.steps == 0:
@@ -239,7 +250,8 @@ def attention_transfer(
                 cap = caps[idx]
                 if queries is not None and cap.causal and queries < cap.q.shape[2]:
                     cap = cap.last_queries(queries)
-                pred = transfer_output(rfa, cap, twin_max_keys)
+                with precision.autocast(device, autocast):
+                    pred = transfer_output(rfa, cap, twin_max_keys)
                 diff = pred.float() - cap.out.float()
                 if cap.mask is not None:
                     m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
@@ -306,11 +318,14 @@ def lora_finetune(
     max_seconds: float | None = None,
     progress: bool = True,
     train_feature_maps: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
     converted model and a :class:`TransferResult`. An unconverted model (no ``rfa`` layer) trains
     with its own attention: the same budget on the original is the reference for how much of a
-    LoRA's gain is adaptation to the text rather than to the conversion. Feature maps stay frozen unless
+    LoRA's gain is adaptation to the text rather than to the conversion. ``autocast``:
+    ``torch.bfloat16`` runs each forward under autocast (:mod:`.precision`; adapters and loss stay
+    float32); None: float32. Feature maps stay frozen unless
     ``train_feature_maps`` (then their parameters, e.g. a ``decay``, train end to end with the
     adapters: PEFT's ``modules_to_save`` copies, folded back by the merge). Causal LMs only
     (labels = inputs)."""
@@ -334,11 +349,14 @@ def lora_finetune(
     base = peft_model.get_base_model()
     peft_model.train()
     converted = any(getattr(m, "rfa", None) is not None for m in base.modules())
+    device = next(base.parameters()).device
+    res.autocast = precision.dtype_name(autocast) if autocast is not None else None
     try:
         with attn_implementation(base, TRAIN_NAME) if converted else contextlib.nullcontext():
             for ids, mask in batches:
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-                out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+                with precision.autocast(device, autocast):
+                    out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
