@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step import RECIPES  # noqa: E402  (the converted recipes, shared with train_step.py)
+
 logger = logging.getLogger("saved_activations")
 
 
@@ -31,9 +34,6 @@ def saved_storages(kind: str, n: int, recipe: str = "main") -> dict[int, tuple[i
 
     import hf_rfa
     from hf_rfa.assets.models import smollm2_path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_step import RECIPES
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     if kind == "converted":
@@ -59,9 +59,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--recipe", default="main", help="converted recipe of train_step.py: main (default) or favor256")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_step import RECIPES
-
     if args.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {args.recipe!r}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

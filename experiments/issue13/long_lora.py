@@ -52,13 +52,10 @@ for v in a.variants.split(","):
     t0 = time.time()
     if v == "recipe":
         model, _, _ = load_model(a.recipe_model)
-    elif v == "original":  # the unconverted model with the same LoRA budgets: how much is domain adaptation
-        model = copy.deepcopy(orig)
-        if a.first_tokens:
-            model, _ = transfer.lora_finetune(model, evaluation.shuffled_batches(train, 1024, 1, 7), a.first_tokens, lr=1e-3, r=8, progress=False)
     else:
-        w = int(v.removeprefix("none"))
-        model = hf_rfa.convert(copy.deepcopy(orig), hf_rfa.RFAConfig(feature_map="none", window=w, sinks=4, seed=0))
+        model = copy.deepcopy(orig)  # "original": the unconverted model with the same LoRA budgets (domain adaptation)
+        if v != "original":
+            model = hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="none", window=int(v.removeprefix("none")), sinks=4, seed=0))
         if a.first_tokens:
             model, _ = transfer.lora_finetune(model, evaluation.shuffled_batches(train, 1024, 1, 7), a.first_tokens, lr=1e-3, r=8, progress=False)
     row = {"variant": v, "first_lora_tokens": a.first_tokens if v != "recipe" else "(in the checkpoint)", "extra_lora_tokens": a.tokens, "extra_lora_context": a.context, "lr": a.lr, "stream_seed": a.stream_seed, "before": ppl(model)}

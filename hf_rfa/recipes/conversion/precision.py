@@ -71,9 +71,9 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None):
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
-def dtype_name(dtype: torch.dtype | None) -> str:
-    """``"bf16"`` / ``"off"``: how a stage records its precision in ``report.json``."""
-    return {None: "off", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """How a stage records its autocast dtype in ``report.json``: ``"bf16"``; None without autocast."""
+    return None if dtype is None else {torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 __all__ = ["AUTOCAST_CHOICES", "autocast", "check_autocast", "cpu_has_fast_bf16", "dtype_name", "resolve_autocast"]

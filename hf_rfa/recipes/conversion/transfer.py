@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from . import precision
+from ...hf.loading import is_converted
 from .calibration import Captured, _unrotated, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
 from ...ops.masks import NEG, key_mask_bool, sink_mask
 from ...ops.reference import quadratic_kernel_attention
@@ -227,7 +228,7 @@ def attention_transfer(
         raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
     model.eval()
     device = next(model.parameters()).device
-    res.autocast = precision.dtype_name(autocast) if autocast is not None else None
+    res.autocast = precision.dtype_name(autocast)
     try:
         for ids, mask in batches:
             pos = None
@@ -348,11 +349,10 @@ def lora_finetune(
     bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
     base = peft_model.get_base_model()
     peft_model.train()
-    converted = any(getattr(m, "rfa", None) is not None for m in base.modules())
     device = next(base.parameters()).device
-    res.autocast = precision.dtype_name(autocast) if autocast is not None else None
+    res.autocast = precision.dtype_name(autocast)
     try:
-        with attn_implementation(base, TRAIN_NAME) if converted else contextlib.nullcontext():
+        with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
             for ids, mask in batches:
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
