@@ -93,10 +93,13 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, 
     return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "load_avg_1m": os.getloadavg()[0]}
 
 
-def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1, recipe: str = "main") -> dict:
+def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1, recipe: str = "main", mmap_threshold: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads), "--steps", str(steps), "--recipe", recipe]
+    env = dict(os.environ)
+    if mmap_threshold is not None:  # glibc: a fixed threshold (no dynamic raise), see --mmap-threshold
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"model": model_kind, "n": n, "dtype": dtype, "error": f"timeout > {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

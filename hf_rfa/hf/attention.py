@@ -21,7 +21,7 @@ from torch import nn
 
 from ..feature_maps import FeatureMap
 from ..ops import random_feature_attention
-from .rope import ROPE_ATTR, checked_rope, unrotate, unrotated_qk
+from .rope import ROPE_ATTR, checked_rope, unrotate
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +69,20 @@ class RFAAttention(nn.Module):
         feature part reads q/k with it undone (:mod:`hf_rfa.hf.rope`). With an ``RFACache`` the
         cache layer gets the un-rotated queries and ``(cos, sin)`` and un-rotates the keys it needs
         itself (its state keeps the rotated window only)."""
-        fq = fk = None
+        rope = None
         cache = kwargs.get("rfa_cache_layer")
         if self.feature_input == "unrotated":
             if cache is not None:
                 cos, sin = checked_rope(kwargs.get("rfa_rope"), query, key)
                 return cache.attend(self, query, key, value, attention_mask, causal, scale, feature_q=unrotate(query, cos, sin), rope=(cos, sin))
-            fq, fk = unrotated_qk(kwargs.get("rfa_rope"), query, key)
+            rope = checked_rope(kwargs.get("rfa_rope"), query, key)  # undone inside the op (block by block in training)
         if cache is not None:
             return cache.attend(self, query, key, value, attention_mask, causal, scale)
         return random_feature_attention(
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
             checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
-            memory=self.memory, memory_every=self.memory_every, feature_q=fq, feature_k=fk,
+            memory=self.memory, memory_every=self.memory_every, feature_rope=rope,
         )
 
     def extra_repr(self) -> str:

@@ -20,6 +20,8 @@ import inspect
 import torch
 from torch import nn
 
+from ..ops.rotary import unrotate
+
 #: attribute of the attention module holding the last forward's ``(cos, sin)`` (or None)
 ROPE_ATTR = "_hf_rfa_rope"
 
@@ -44,22 +46,6 @@ def install_rope_hook(module: nn.Module) -> None:
     if getattr(module, "_hf_rfa_rope_hook", None) is None:
         module._hf_rfa_rope_hook = module.register_forward_pre_hook(_keep_rope, with_kwargs=True)
     setattr(module, ROPE_ATTR, None)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo ``x·cos + rotate_half(x)·sin``: x ``[B, H, N, D]``, cos/sin ``[B or 1, N, Dr]`` (Dr ≤ D,
-    even) → ``[B, H, N, D]`` in x's dtype. Rotations with a scale (``cos² + sin² ≠ 1``, e.g.
-    YaRN's attention factor) are divided out."""
-    dr = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    xr = x[..., :dr]
-    out = (xr * cos - _rotate_half(xr) * sin) / (cos * cos + sin * sin)
-    return out if dr == x.shape[-1] else torch.cat([out, x[..., dr:]], dim=-1)
 
 
 def checked_rope(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.recompute",
     "hf_rfa.ops.recurrent",
     "hf_rfa.ops.reference",
+    "hf_rfa.ops.rotary",
     "hf_rfa.ops.scan",
 )
 

@@ -16,6 +16,7 @@
 - ``hybrid``: exact softmax over a local window and attention sinks
 - ``memory``: a bounded exact global memory (``memory=M``): prefill and cached continuation
 - ``partial``: log-space partial results merged under one normaliser
+- ``rotary``: the rotary embedding undone (and its adjoint), for feature parts reading un-rotated q/k
 - ``attention``: ``random_feature_attention``, the public entry point
 """
 

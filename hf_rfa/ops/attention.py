@@ -22,6 +22,7 @@ from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_featur
 from .memory import check_memory_args, memory_attention
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState
+from .rotary import check_rope, unrotate
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap
@@ -47,6 +48,7 @@ def random_feature_attention(
     memory_every: int = 64,
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
+    feature_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -80,6 +82,12 @@ def random_feature_attention(
             e.g. the queries/keys before the rotary embedding (``RFAConfig(feature_input=
             "unrotated")``): the exact window and sinks still score q·k; the feature part scores
             φ(feature_q)·φ(feature_k). Both or neither; not with ``memory > 0``. None: q and k.
+        feature_rope: ``(cos, sin)`` ``[B or 1, N, Dr]`` (Nq == Nk == N): the feature part reads q
+            and k with this rotary embedding undone (:func:`hf_rfa.ops.rotary.unrotate`), i.e.
+            ``feature_q = unrotate(q, cos, sin)`` and likewise for k — not with feature_q/feature_k
+            or ``memory > 0``. Same result as passing those; in training with
+            ``checkpoint_blocks`` a causal hybrid un-rotates block by block in forward and
+            backward and keeps nothing un-rotated (the memory of two more q/k per layer).
 
     Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
     feature state in causal mode; the gate is ignored in bidirectional mode.
@@ -105,6 +113,12 @@ def random_feature_attention(
     if null and window == 0 and sinks == 0:
         raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
     feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k, memory)
+    if feature_rope is not None:
+        if feature_q is not None:
+            raise ValueError("give either feature_q/feature_k or feature_rope, not both")
+        if memory > 0:
+            raise ValueError("feature_rope (feature_input='unrotated') does not combine with memory > 0; use memory=0")
+        feature_rope = check_rope(feature_rope, q, k)
     km = key_mask_bool(attention_mask, b, nk, q.device)
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
@@ -112,6 +126,9 @@ def random_feature_attention(
     be = resolve(backend, grad=needs_grad(q, k, v, *extra, *params), causal=causal, device=q.device, dtype=ct)
     # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
     band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
+    if feature_rope is not None and not _hybrid_function_applies(q, k, v, feature_map, causal, min(window, nk), min(sinks, nk), checkpoint_blocks, be, band_be == "native"):
+        # (only the recomputing hybrid un-rotates block by block; every other path reads them whole)
+        feature_q, feature_k, feature_rope = unrotate(q, *feature_rope), unrotate(k, *feature_rope), None
     if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls (fullgraph compile)
         logger.debug("random_feature_attention: backend %s (exact band: %s; requested %s)", be, band_be, backend)
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
@@ -123,17 +140,18 @@ def random_feature_attention(
         out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native")
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
-        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k)
+        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k, feature_rope)
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return out
 
 
-def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None) -> torch.Tensor:
+def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None, feature_rope=None) -> torch.Tensor:
     """The computation of :func:`random_feature_attention` on checked arguments once the backend
     is chosen (``km [B, Nk]`` bool or None; ``window``, ``sinks`` at most Nk; ``be``;
     ``native_band``: the exact part of a causal hybrid runs the C++ kernel; ``feature_q/k``: the
-    feature part's inputs, or None for q/k); returns ``[B, H, Nq, Dv]`` in q's dtype."""
+    feature part's inputs, or None for q/k; ``feature_rope``: ``(cos, sin)`` to undo, only where
+    :func:`_hybrid_function_applies`); returns ``[B, H, Nq, Dv]`` in q's dtype."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     out_dtype = q.dtype
@@ -149,7 +167,7 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     n = q.shape[2]
     root = scale**0.5
     if _hybrid_function_applies(q, k, v, feature_map, causal, window, sinks, checkpoint_blocks, be, native_band, feature_q, feature_k):
-        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size, feature_q, feature_k)
+        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size, feature_q, feature_k, feature_rope)
         return to_output_dtype(out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     # causal feature part: features are computed block by block inside causal_feature_attention
     # (which also converts and scales q, k, v block by block), never for the whole sequence at
@@ -238,10 +256,11 @@ def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, si
     return needs_grad(q, k, v, feature_q, feature_k, *params)
 
 
-def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int, feature_q=None, feature_k=None) -> torch.Tensor:
+def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int, feature_q=None, feature_k=None, feature_rope=None) -> torch.Tensor:
     """:func:`_attention` for a causal hybrid in training (:func:`_hybrid_function_applies`):
     ``[B,Hkv,G,N,Dv]`` in the compute dtype. ``feature_q``/``feature_k`` (or None): what the
-    feature part reads, the gate terms included (as in :func:`_attention`)."""
+    feature part reads, the gate terms included (as in :func:`_attention`); ``feature_rope``
+    ``(cos, sin)`` or None: the feature part reads q/k with it undone."""
     b, n = q.shape[0], q.shape[2]
     feature = window < n and not getattr(feature_map, "null", False)
     feat_mask = lq_add = lk_add = None
@@ -251,10 +270,11 @@ def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: f
             feat_mask = feat_mask & ~sink_mask(km, b, n, sinks, q.device)
         if feature_map.has_gate:
             ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-            lk_add, lq_add = _gate_terms(feature_map, (k if feature_k is None else feature_k).to(ct) * scale**0.5, km)
+            gk = unrotate(k, *feature_rope) if feature_rope is not None else (k if feature_k is None else feature_k)
+            lk_add, lq_add = _gate_terms(feature_map, gk.to(ct) * scale**0.5, km)
     else:
-        feature_q = feature_k = None
-    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k)
+        feature_q = feature_k = feature_rope = None
+    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k, rope=feature_rope)
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

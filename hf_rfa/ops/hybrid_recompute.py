@@ -7,8 +7,12 @@ each keep their own inputs: the √scale-multiplied queries/keys of the band, th
 keys/values of the scan, and the two parts' numerators and denominators for the merge — about
 three times q, k, v per layer. :class:`HybridFunction` keeps q, k, v once (in their own dtype),
 the O(N) masks and gate terms, and the scan's ``[F, Dv+1]`` state entering each block. With
-feature inputs (``feature_q``/``feature_k``, e.g. q/k before the rotary embedding: ``RFAConfig(
-feature_input="unrotated")``) the band reads q, k and the scan reads those, each saved once too.
+feature inputs (``feature_q``/``feature_k``) the band reads q, k and the scan reads those, each
+saved once too. With a rotary embedding to undo instead (``rope = (cos, sin)``, what ``RFAConfig(
+feature_input="unrotated")`` trains with) the scan reads q/k un-rotated block by block
+(:func:`~hf_rfa.ops.rotary.unrotate`) in both passes and backward maps the scan's gradients back
+through :func:`~hf_rfa.ops.rotary.unrotate_adjoint`: nothing more than q, k, v is kept (cos/sin
+are the model's, shared by its layers).
 
 Forward runs, block by block without a graph: the exact band (:func:`~hf_rfa.ops.recompute.
 _band_tiles`), the feature scan (:func:`~hf_rfa.ops.recompute._scan_block`) on keys delayed by
@@ -35,6 +39,7 @@ from .hybrid import BandPlan, band_plan
 from .partial import Partial, finalize, merge
 from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, param_leaves, with_params
 from .recurrent import LinearState
+from .rotary import unrotate, unrotate_adjoint
 from .scan import ScanSpec, plan_blocks, state_matrix
 
 
@@ -55,7 +60,7 @@ class HybridSpec:
     ct: torch.dtype
 
 
-def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None) -> torch.Tensor:
+def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None, rope=None) -> torch.Tensor:
     """Causal hybrid (exact window + sinks, feature map for the other keys) by
     :class:`HybridFunction`: ``q [B,H,N,D]``, ``k [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]``,
     ``key_mask [B,N]`` bool or None (padding), ``feat_mask [B,N]`` bool (keys the feature part
@@ -64,11 +69,14 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
     from the keys the feature part reads) or None. ``feature`` False: the exact part alone.
     ``feature_q [B,H,N,D]`` / ``feature_k [B,Hkv,N,D]`` (both or neither; ignored without a
     feature part): what the feature scan reads instead of q/k (the band always reads q, k).
-    Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
+    ``rope = (cos, sin)`` ``[B|1, N, Dr]`` (not with feature_q/feature_k): the scan reads q/k with
+    that rotary embedding undone, recomputed per block (nothing un-rotated is saved). Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
     if (feature_q is None) != (feature_k is None):
         raise ValueError("feature_q and feature_k go together")
+    if rope is not None and feature_q is not None:
+        raise ValueError("give either feature_q/feature_k or rope, not both")
     if feature_q is not None and (feature_q.shape != q.shape or feature_k.shape != k.shape):
         raise ValueError(f"feature_q/feature_k must have the shapes of q/k {tuple(q.shape)}/{tuple(k.shape)}, got {tuple(feature_q.shape)}/{tuple(feature_k.shape)}")
     if window < 0 or sinks < 0 or (window == 0 and sinks == 0):
@@ -82,7 +90,8 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
     scan = None
     params: tuple = ()
     if not feature:
-        feature_q = feature_k = None
+        feature_q = feature_k = rope = None
+    cos, sin = rope if rope is not None else (None, None)
     if feature:
         with torch.no_grad():
             probe = feature_map.forward_keys((k if feature_k is None else feature_k)[:, :, :1].to(ct) * scale**0.5)
@@ -90,7 +99,7 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
         names, params = map_params(feature_map)
         scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct, names)
     spec = HybridSpec(plan, scan, _units(plan, scan), window, scale**0.5, feature_map.eps, ct)
-    return HybridFunction.apply(spec, q, k, v, feature_q, feature_k, feat_mask if feature else None, lq_add, lk_add, *params)
+    return HybridFunction.apply(spec, q, k, v, feature_q, feature_k, cos, sin, feat_mask if feature else None, lq_add, lk_add, *params)
 
 
 def _units(plan: BandPlan, scan: ScanSpec | None) -> list[tuple[int, int, int, int, list[int]]]:
@@ -171,13 +180,16 @@ def _band_partial(spec: HybridSpec, unit, pb, ps, r, vbu, vs) -> tuple[torch.Ten
     return num, den, ls
 
 
-def _feature_inputs(spec: HybridSpec, unit, xq, k, v, feat_mask, lq_add, lk_add) -> list:
+def _feature_inputs(spec: HybridSpec, unit, xq, k, v, feat_mask, lq_add, lk_add, cos=None, sin=None) -> list:
     """The scan's inputs for the block's queries ``[t0, t1)``: ``xq`` (the block's queries), keys,
     values, feature mask and key gate term delayed by W (key ``t − W`` for query ``t``; none for
-    ``t < W``), the block's query gate term. Keys/values in the compute dtype."""
+    ``t < W``), the block's query gate term. Keys/values in the compute dtype; with ``cos``/``sin``
+    ``[B|1, N, Dr]`` the delayed keys un-rotated at their own positions."""
     t0, t1 = unit[0], unit[1]
     w, ct = spec.window, spec.ct
     kb = _window_slice(k, t0 - w, t1 - w, 2).to(ct)
+    if cos is not None:  # (the positions before 0 are zeros, masked: cos 1, sin 0 keeps them finite)
+        kb = unrotate(kb, _window_slice(cos, t0 - w, t1 - w, 1, 1.0), _window_slice(sin, t0 - w, t1 - w, 1, 0.0))
     vb = _window_slice(v, t0 - w, t1 - w, 2).to(ct)
     mb = _window_slice(feat_mask, t0 - w, t1 - w, 1, False)
     lqb = lq_add[..., t0:t1] if lq_add is not None else None
@@ -227,22 +239,33 @@ def _initial_state(spec: HybridSpec, b: int, hkv: int, dv: int, device) -> tuple
     return state_matrix(LinearState.zeros(b, hkv, fdim, dv, device=device, dtype=spec.ct), spec.scan.scaled)
 
 
+def _block_queries(spec: HybridSpec, xq, fq, cos, sin, t0: int, t1: int) -> torch.Tensor:
+    """What the scan reads for the queries ``[t0, t1)`` (``xq``: q's rows there, compute dtype):
+    the feature input's rows, q's rows un-rotated, or ``xq``."""
+    if fq is not None:
+        return fq[:, :, t0:t1].to(spec.ct)
+    if cos is not None:
+        return unrotate(xq, cos[:, t0:t1], sin[:, t0:t1])
+    return xq
+
+
 #: index of the first ``*params`` tensor in :meth:`HybridFunction.forward`'s inputs (after ctx)
-_NPOS = 9
+_NPOS = 11
 
 
 class HybridFunction(torch.autograd.Function):
     """Causal hybrid: ``(spec, q [B,H,N,D], k [B,Hkv,N,D], v [B,Hkv,N,Dv], feature_q [B,H,N,D] |
-    None, feature_k [B,Hkv,N,D] | None, feat_mask [B,N] | None, lq_add [B,Hkv,1|G,N] | None,
-    lk_add [B,Hkv,N] | None, *params)`` → ``[B,Hkv,G,N,Dv]`` (compute dtype). The band reads q,
-    k; the feature scan reads ``feature_q``/``feature_k`` (None: q, k). ``params``: the feature
+    None, feature_k [B,Hkv,N,D] | None, cos [B|1,N,Dr] | None, sin | None, feat_mask [B,N] |
+    None, lq_add [B,Hkv,1|G,N] | None, lk_add [B,Hkv,N] | None, *params)`` → ``[B,Hkv,G,N,Dv]``
+    (compute dtype). The band reads q, k; the feature scan reads ``feature_q``/``feature_k``, or
+    with ``cos``/``sin`` q/k un-rotated block by block, or else q, k. ``params``: the feature
     map's parameters named ``spec.scan.names`` (:func:`~hf_rfa.ops.recompute.map_params`; none
     without a feature part), which both passes bind (:func:`~hf_rfa.ops.recompute.with_params`).
     Saves q, k, v, the feature inputs, the parameters, the O(N) mask and gate terms, and the
     scan's state entering each block (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, spec: HybridSpec, q, k, v, feature_q, feature_k, feat_mask, lq_add, lk_add, *params):
+    def forward(ctx, spec: HybridSpec, q, k, v, feature_q, feature_k, cos, sin, feat_mask, lq_add, lk_add, *params):
         b, h, n, _ = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         out = torch.empty(b, hkv, h // hkv, n, dv, dtype=spec.ct, device=q.device)
@@ -259,8 +282,8 @@ class HybridFunction(torch.autograd.Function):
                 band = Partial(*_band_partial(spec, unit, pb, ps, r, vbu, vs))
                 feat = None
                 if spec.scan is not None:
-                    fq = xq if feature_q is None else feature_q[:, :, t0:t1].to(spec.ct)
-                    feat, S, ref, st, rf = _feature_unit(spec, unit, S, ref, _feature_inputs(spec, unit, fq, fk, v, feat_mask, lq_add, lk_add))
+                    fq = _block_queries(spec, xq, feature_q, cos, sin, t0, t1)
+                    feat, S, ref, st, rf = _feature_unit(spec, unit, S, ref, _feature_inputs(spec, unit, fq, fk, v, feat_mask, lq_add, lk_add, cos, sin))
                     states.extend(st)
                     refs.extend(rf)
                 out[:, :, :, t0:t1] = _combine(spec, band, feat)
@@ -269,26 +292,26 @@ class HybridFunction(torch.autograd.Function):
             _bound(spec, params, run)
         ctx.spec = spec
         st = (torch.stack(states), torch.stack(refs)) if states else (None, None)
-        ctx.save_for_backward(q, k, v, feature_q, feature_k, feat_mask, lq_add, lk_add, *st, *params)
+        ctx.save_for_backward(q, k, v, feature_q, feature_k, cos, sin, feat_mask, lq_add, lk_add, *st, *params)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         spec: HybridSpec = ctx.spec
-        q, k, v, fq, fk, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
+        q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
         # leaves of the parameter tensors forward ran with, bound again for the recomputation
         params = param_leaves(saved, ctx.needs_input_grad[_NPOS:])
-        acc = _Grads(spec, q, k, v, fq, fk, lq_add, lk_add, len(params))
+        acc = _Grads(spec, q, k, v, fq, fk, lq_add, lk_add, len(params), cos is not None)
         dS = None
 
         def run():
             nonlocal dS
             ks, vs = _sinks(spec, k, v)
             for unit in reversed(spec.units):
-                dS = _unit_backward(spec, unit, q, k, v, fq, fk, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc)
+                dS = _unit_backward(spec, unit, q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc)
 
         _bound(spec, params, run)
-        return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, lq_add, lk_add))
+        return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, cos, sin, lq_add, lk_add))
 
 
 def _bound(spec: HybridSpec, params, fn) -> None:
@@ -303,13 +326,15 @@ def _bound(spec: HybridSpec, params, fn) -> None:
 class _Grads:
     """Input gradients of :class:`HybridFunction` accumulated over the blocks (compute dtype)."""
 
-    def __init__(self, spec: HybridSpec, q, k, v, fq, fk, lq_add, lk_add, nparams: int):
+    def __init__(self, spec: HybridSpec, q, k, v, fq, fk, lq_add, lk_add, nparams: int, rope: bool = False):
         ct = spec.ct
         self.spec = spec
         self.dq = torch.zeros(q.shape, dtype=ct, device=q.device)
         self.dk = torch.zeros(k.shape, dtype=ct, device=k.device)
         self.dv = torch.zeros(v.shape, dtype=ct, device=v.device)
-        # the scan's query/key gradients: their own buffers with feature inputs, else dq/dk
+        # the scan's query/key gradients: their own buffers with feature inputs or a rotary
+        # embedding undone (mapped back into dq/dk at the end), else dq/dk
+        fq, fk = (q, k) if rope else (fq, fk)
         self.dfq = torch.zeros(fq.shape, dtype=ct, device=fq.device) if fq is not None else self.dq
         self.dfk = torch.zeros(fk.shape, dtype=ct, device=fk.device) if fk is not None else self.dk
         self.dlq = torch.zeros_like(lq_add) if lq_add is not None else None
@@ -317,26 +342,30 @@ class _Grads:
         self.dks = self.dvs = None
         self.dparams: list = [None] * nparams
 
-    def result(self, needs, q, k, v, fq, fk, lq_add, lk_add) -> list:
-        """``(dq, dk, dv, dfq, dfk, None, dlq, dlk, *dparams)`` in the inputs' dtypes (the sinks'
-        key and value gradients scattered back to their positions; None where ``needs``, the
-        Function's ``needs_input_grad``, says no)."""
+    def result(self, needs, q, k, v, fq, fk, cos, sin, lq_add, lk_add) -> list:
+        """``(dq, dk, dv, dfq, dfk, None, None, None, dlq, dlk, *dparams)`` in the inputs' dtypes
+        (the sinks' key and value gradients scattered back to their positions; with ``cos``/``sin``
+        the scan's query/key gradients mapped back through the un-rotation into dq/dk; None where
+        ``needs``, the Function's ``needs_input_grad``, says no)."""
         plan = self.spec.plan
         if self.dks is not None:
             idx = plan.spos[:, None, :, None]
             self.dk.scatter_add_(2, idx.expand_as(self.dks), self.dks * self.spec.root)
             self.dv.scatter_add_(2, idx.expand_as(self.dvs), self.dvs)
+        if cos is not None:
+            self.dq += unrotate_adjoint(self.dfq, cos, sin)
+            self.dk += unrotate_adjoint(self.dfk, cos, sin)
         dfq = self.dfq.to(fq.dtype) if fq is not None else None
         dfk = self.dfk.to(fk.dtype) if fk is not None else None
-        got = [self.dq.to(q.dtype), self.dk.to(k.dtype), self.dv.to(v.dtype), dfq, dfk, None, self.dlq, self.dlk] + self.dparams
+        got = [self.dq.to(q.dtype), self.dk.to(k.dtype), self.dv.to(v.dtype), dfq, dfk, None, None, None, self.dlq, self.dlk] + self.dparams
         return [g if g is not None and needs[i + 1] else None for i, g in enumerate(got)]
 
 
-def _unit_backward(spec: HybridSpec, unit, q, k, v, fq, fk, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc: _Grads):
+def _unit_backward(spec: HybridSpec, unit, q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc: _Grads):
     """One block of :meth:`HybridFunction.backward` (run with the map's parameters bound to the
     leaves ``params``): recompute, differentiate, accumulate into ``acc``; returns the gradient
     of the state entering the block (None without a feature part). ``fq``/``fk``: the feature
-    inputs or None (the scan reads q/k)."""
+    inputs or None (the scan reads q/k, un-rotated with ``cos``/``sin`` when given)."""
     t0, t1 = unit[0], unit[1]
     xq = q[:, :, t0:t1].to(spec.ct)
     pb, ps, r, kbu, vbu, q6, start = _band_unit(spec, unit, xq, k, v, ks, vs)
@@ -345,8 +374,8 @@ def _unit_backward(spec: HybridSpec, unit, q, k, v, fq, fk, feat_mask, lq_add, l
     feat = S_in = S_out = None
     leaves: list = []
     if spec.scan is not None:
-        xf = xq if fq is None else fq[:, :, t0:t1].to(spec.ct)
-        leaves = [_leaf(x) for x in _feature_inputs(spec, unit, xf, k if fk is None else fk, v, feat_mask, lq_add, lk_add)]
+        xf = _block_queries(spec, xq, fq, cos, sin, t0, t1)
+        leaves = [_leaf(x) for x in _feature_inputs(spec, unit, xf, k if fk is None else fk, v, feat_mask, lq_add, lk_add, cos, sin)]
         i0 = unit[4][0]
         S_in = states[i0].detach().requires_grad_()
         with torch.enable_grad():
