@@ -15,6 +15,8 @@ convert, one warm-up step, ``--steps`` measured steps (tokens/s = N / the fastes
 runs the step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (what Trainer's ``--bf16``
 does). For each (N, dtype) the original and the converted case run one after the other, so their
 ratio is measured under the same machine load (the load average is recorded with each case).
+``--mmap-threshold BYTES`` runs both with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (peak RSS then
+counts live tensors, not freed blocks glibc keeps in its heap; slower), in rows of their own.
 Cases of the original beyond ``--original-max`` are skipped (the default, 8192: the original's
 16,384-token step does not fit this 23 GiB machine next to other jobs); ``--long`` adds the long
 cases (8192 and, converted only, 16384). A case that fails (e.g. killed for memory) is recorded as
@@ -101,22 +103,22 @@ def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, 
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"model": model_kind, "n": n, "dtype": dtype, "error": f"timeout > {timeout:.0f} s"}
+        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "error": f"timeout > {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
-        return {"model": model_kind, "n": n, "dtype": dtype, "error": why}
-    return json.loads(lines[-1])
+        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "error": why}
+    return {**json.loads(lines[-1]), "mmap_threshold": mmap_threshold}
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["n"], r["dtype"])
+    return (r["model"], r["n"], r["dtype"], r.get("mmap_threshold"))
 
 
 def render(results: list[dict]) -> str:
     """Markdown table: one row per (N, dtype), original vs converted."""
     by = {_key(r): r for r in results}
-    rows = sorted({(r["n"], r["dtype"]) for r in results})
+    rows = sorted({(r["n"], r["dtype"], r.get("mmap_threshold") or 0) for r in results})
 
     def cell(r, field, fmt):
         if r is None:
@@ -124,8 +126,8 @@ def render(results: list[dict]) -> str:
         return r.get("error", "failed") if field not in r else fmt.format(r[field])
 
     out = ["| N | dtype | threads | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, dt in rows:
-        o, c = by.get(("original", n, dt)), by.get(("converted", n, dt))
+    for n, dt, mt in rows:
+        o, c = by.get(("original", n, dt, mt or None)), by.get(("converted", n, dt, mt or None))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
         ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
         mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"
@@ -133,7 +135,8 @@ def render(results: list[dict]) -> str:
         cpu_ok = ok and "tok_per_cpu_s" in o and "tok_per_cpu_s" in c
         cpu_cells = f"{o['tok_per_cpu_s']:.1f} / {c['tok_per_cpu_s']:.1f} = {c['tok_per_cpu_s'] / o['tok_per_cpu_s']:.2f}×" if cpu_ok else "—"
         thr = "/".join(sorted({str(r["threads"]) for r in (o, c) if r is not None and "threads" in r})) or "—"
-        out.append(f"| {n} | {dt} | {thr} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
+        label = dt + (f", MALLOC_MMAP_THRESHOLD_={mt}" if mt else "")
+        out.append(f"| {n} | {label} | {thr} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
     return "\n".join(out)
 
 
@@ -146,7 +149,7 @@ def plot(results: list[dict], path: Path, recipe: str = "main") -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model in ("original", "converted"):
         for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^")):
-            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and "tok_s" in r)
+            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not r.get("mmap_threshold") and "tok_s" in r)
             if pts:
                 a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
                 a2.plot([n for n, _ in pts], [r["peak_rss_gib"] for _, r in pts], style, label=f"{model} {dt}")
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     ap.add_argument("--recipe", default="main", help=f"converted recipe, one of {sorted(RECIPES)} (default main: the main job's)")
     ap.add_argument("--out", type=Path, default=None, help="results stem (default: benchmarks/results/train_step_recipe for main, train_step for favor256)")
+    ap.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES", help="run both models' cases with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: allocations above it are mmap'ed and returned on free, instead of glibc raising the threshold up to 32 MiB and keeping freed blocks in its heap); rows are kept apart from the default allocator's")
     ap.add_argument("--render-only", action="store_true", help="rewrite the .md/.png from the .json, run nothing")
     args = ap.parse_args(argv)
     if args.recipe not in RECIPES:
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             for model in args.models:
                 if model == "original" and n > args.original_max:
                     continue
-                r = run_case(model, n, dt, args.threads, args.timeout, args.steps, args.recipe)
+                r = run_case(model, n, dt, args.threads, args.timeout, args.steps, args.recipe, args.mmap_threshold)
                 print(json.dumps(r), flush=True)
                 results = [x for x in results if _key(x) != _key(r)] + [r]
                 store.write_text(json.dumps(results, indent=1))

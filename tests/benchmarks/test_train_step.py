@@ -48,3 +48,34 @@ def test_recipes_build_valid_configs():
         cfg = hf_rfa.RFAConfig(**kw)
         assert cfg.feature_map == kw["feature_map"] and name in bench.RECIPE_NAMES and name in bench.DEFAULT_OUT
     assert bench.RECIPES["main"]["feature_input"] == "unrotated"
+
+
+def test_mmap_threshold_rows_are_kept_apart_and_labelled():
+    base = {"threads": 2, "load_avg_1m": 1.0, "tok_per_cpu_s": 20.0}
+    rows = [
+        {"model": "original", "n": 2048, "dtype": "fp32", "tok_s": 100.0, "peak_rss_gib": 5.0, **base},
+        {"model": "converted", "n": 2048, "dtype": "fp32", "tok_s": 80.0, "peak_rss_gib": 6.0, **base},
+        {"model": "original", "n": 2048, "dtype": "fp32", "mmap_threshold": 131072, "tok_s": 90.0, "peak_rss_gib": 4.0, **base},
+        {"model": "converted", "n": 2048, "dtype": "fp32", "mmap_threshold": 131072, "tok_s": 45.0, "peak_rss_gib": 4.4, **base},
+    ]
+    table = bench.render(rows)
+    assert "| 2048 | fp32 | 2 | 100 | 80 | 0.80× | 5.0 | 6.0 | 1.20× |" in table
+    assert "| 2048 | fp32, MALLOC_MMAP_THRESHOLD_=131072 | 2 | 90 | 45 | 0.50× | 4.0 | 4.4 | 1.10× |" in table
+
+
+def test_run_case_passes_the_mmap_threshold_to_the_child(monkeypatch):
+    seen = {}
+
+    class Done:
+        returncode, stdout, stderr = 0, '{"model": "converted", "n": 8, "dtype": "fp32"}\n', ""
+
+    def fake_run(cmd, **kw):
+        seen.update(kw["env"])
+        return Done()
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    r = bench.run_case("converted", 8, "fp32", 1, 10.0, mmap_threshold=131072)
+    assert seen["MALLOC_MMAP_THRESHOLD_"] == "131072" and r["mmap_threshold"] == 131072
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    seen.clear()
+    assert bench.run_case("converted", 8, "fp32", 1, 10.0)["mmap_threshold"] is None and "MALLOC_MMAP_THRESHOLD_" not in seen
