@@ -5,7 +5,9 @@ positions before the attention function sees them. ``RFAConfig(feature_input="un
 lets the feature part read q/k *before* that rotation (a map learned on rotated q/k only knows
 the positions it was trained at). The attention module's forward receives ``position_embeddings
 = (cos, sin)``; a forward pre-hook (:func:`install_rope_hook`) keeps them on the module for the
-attention function, which undoes the rotation with :func:`unrotate`. Cached decoding
+attention function, which hands them to the op (``random_feature_attention(feature_rope=(cos,
+sin))``; the op undoes the rotation with :func:`unrotate`, block by block in training so that no
+un-rotated copy is kept for backward). Cached decoding
 (``hf_rfa.hf.cache``) keeps only the rotated window and un-rotates it again where needed, with the
 rotations of the last ``W`` positions kept once per cache (``RopeRing``).
 
