@@ -111,14 +111,19 @@ def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, 
     return {**json.loads(lines[-1]), "mmap_threshold": mmap_threshold}
 
 
+def _mmap(r: dict) -> int:
+    """A row's fixed mmap threshold (0: glibc's default allocator)."""
+    return r.get("mmap_threshold") or 0
+
+
 def _key(r: dict) -> tuple:
-    return (r["model"], r["n"], r["dtype"], r.get("mmap_threshold"))
+    return (r["model"], r["n"], r["dtype"], _mmap(r))
 
 
 def render(results: list[dict]) -> str:
     """Markdown table: one row per (N, dtype), original vs converted."""
     by = {_key(r): r for r in results}
-    rows = sorted({(r["n"], r["dtype"], r.get("mmap_threshold") or 0) for r in results})
+    rows = sorted({(r["n"], r["dtype"], _mmap(r)) for r in results})
 
     def cell(r, field, fmt):
         if r is None:
@@ -127,7 +132,7 @@ def render(results: list[dict]) -> str:
 
     out = ["| N | dtype | threads | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, dt, mt in rows:
-        o, c = by.get(("original", n, dt, mt or None)), by.get(("converted", n, dt, mt or None))
+        o, c = by.get(("original", n, dt, mt)), by.get(("converted", n, dt, mt))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
         ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
         mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"
@@ -149,7 +154,7 @@ def plot(results: list[dict], path: Path, recipe: str = "main") -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model in ("original", "converted"):
         for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^")):
-            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not r.get("mmap_threshold") and "tok_s" in r)
+            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not _mmap(r) and "tok_s" in r)
             if pts:
                 a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
                 a2.plot([n for n, _ in pts], [r["peak_rss_gib"] for _, r in pts], style, label=f"{model} {dt}")

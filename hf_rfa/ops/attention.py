@@ -126,9 +126,6 @@ def random_feature_attention(
     be = resolve(backend, grad=needs_grad(q, k, v, *extra, *params), causal=causal, device=q.device, dtype=ct)
     # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
     band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
-    if feature_rope is not None and not _hybrid_function_applies(q, k, v, feature_map, causal, min(window, nk), min(sinks, nk), checkpoint_blocks, be, band_be == "native"):
-        # (only the recomputing hybrid un-rotates block by block; every other path reads them whole)
-        feature_q, feature_k, feature_rope = unrotate(q, *feature_rope), unrotate(k, *feature_rope), None
     if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls (fullgraph compile)
         logger.debug("random_feature_attention: backend %s (exact band: %s; requested %s)", be, band_be, backend)
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
@@ -150,8 +147,8 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     """The computation of :func:`random_feature_attention` on checked arguments once the backend
     is chosen (``km [B, Nk]`` bool or None; ``window``, ``sinks`` at most Nk; ``be``;
     ``native_band``: the exact part of a causal hybrid runs the C++ kernel; ``feature_q/k``: the
-    feature part's inputs, or None for q/k; ``feature_rope``: ``(cos, sin)`` to undo, only where
-    :func:`_hybrid_function_applies`); returns ``[B, H, Nq, Dv]`` in q's dtype."""
+    feature part's inputs, or None for q/k; ``feature_rope``: ``(cos, sin)`` to undo (Nq == Nk):
+    block by block where :func:`_hybrid_function_applies`, else up front); returns ``[B, H, Nq, Dv]`` in q's dtype."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     out_dtype = q.dtype
@@ -162,11 +159,14 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
         if feature_q is not None:
             feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
+    hybrid = _hybrid_function_applies(q, k, v, feature_map, causal, window, sinks, checkpoint_blocks, be, native_band, feature_q, feature_k)
+    if feature_rope is not None and not hybrid:  # only the recomputing hybrid un-rotates block by block
+        feature_q, feature_k, feature_rope = unrotate(q, *feature_rope), unrotate(k, *feature_rope), None
     fq_in = q if feature_q is None else feature_q  # what the feature map reads
     fk_in = k if feature_k is None else feature_k
     n = q.shape[2]
     root = scale**0.5
-    if _hybrid_function_applies(q, k, v, feature_map, causal, window, sinks, checkpoint_blocks, be, native_band, feature_q, feature_k):
+    if hybrid:
         out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size, feature_q, feature_k, feature_rope)
         return to_output_dtype(out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     # causal feature part: features are computed block by block inside causal_feature_attention
