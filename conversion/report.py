@@ -49,7 +49,7 @@ def command_of(cfg: dict) -> str:
         parts.append("--gate")
     if cfg.get("checkpoint_blocks") is False:
         parts.append("--no-checkpoint-blocks")
-    for k, default in (("redraw_interval", 0), ("chunk_size", 64), ("backend", "auto")):
+    for k, default in (("redraw_interval", 0), ("chunk_size", 64), ("backend", "auto"), ("transfer_schedule", "constant"), ("transfer_query_blocks", 1)):
         if cfg.get(k, default) != default:
             parts += [f"--{k.replace('_', '-')}", str(cfg[k])]
     if cfg.get("feature_map_options"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -218,3 +220,97 @@ def test_wall_clock_limit_fails_loudly_instead_of_shortening_the_budget():
     m2 = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="none", window=8, sinks=1))
     with pytest.raises(transfer.BudgetNotReached, match="lora"):
         transfer.lora_finetune(m2, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=6400, max_seconds=0.0, progress=False)
+
+
+# --------------------------------------------------------------------------- schedule and query blocks
+def test_queries_ending_at_is_the_shorter_sequences_capture():
+    """A block of queries cut from a capture = the last queries of the capture of the sequence cut
+    at the block's end (causal: positions before ``end`` do not see what follows)."""
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID, feature_input="unrotated"))
+    ids = torch.randint(2, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    full = calibration.capture(m, ids)[1]
+    short = calibration.capture(m, ids[:, :28])[1].last_queries(12)
+    cut = full.queries_ending_at(28, 12)
+    for name in ("q", "k", "v", "out", "fq", "fk"):
+        assert torch.allclose(getattr(cut, name), getattr(short, name), atol=1e-5), name
+    assert cut.q.shape[2] == 12 and cut.k.shape[2] == 28
+    with pytest.raises(ValueError, match="n <= end"):
+        full.queries_ending_at(41, 12)
+
+
+def _record_lrs(monkeypatch):
+    lrs = []
+
+    class Adam(torch.optim.Adam):
+        def step(self, closure=None):
+            lrs.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    monkeypatch.setattr(transfer.torch.optim, "Adam", Adam)
+    return lrs
+
+
+def test_query_blocks_share_one_capture_and_count_tokens_once(monkeypatch):
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
+    calls = []
+    real = transfer.capture
+    monkeypatch.setattr(transfer, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fitted = []
+    real_out = transfer.transfer_output
+    monkeypatch.setattr(transfer, "transfer_output", lambda rfa, cap, t: fitted.append((cap.q.shape[2], cap.k.shape[2])) or real_out(rfa, cap, t))
+    r = transfer.attention_transfer(
+        m, evaluation.shuffled_batches(_ids(), 64, 1, seed=3), tokens=64 * 3, queries=16, query_blocks=3, init_mix=False, progress=False
+    )
+    assert len(calls) == 3 and r.tokens == 64 * 3 and r.steps == 9 and len(r.losses) == 9
+    n_layers = len(calibration.rfa_layers(m))
+    assert fitted[: 3 * n_layers : n_layers] == [(16, 64), (16, 48), (16, 32)]
+    with pytest.raises(ValueError, match="exceeds the sequence length"):
+        transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=64, queries=16, query_blocks=5, progress=False)
+    with pytest.raises(ValueError, match="needs queries"):
+        transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=64, query_blocks=2, progress=False)
+    with pytest.raises(ValueError, match="query_blocks must be an int >= 1"):
+        transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=64, queries=16, query_blocks=0, progress=False)
+
+
+def test_query_blocks_one_equals_last_queries():
+    outs = []
+    for blocks in (None, 1):
+        m = tiny_model("llama")
+        hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
+        kw = {} if blocks is None else {"query_blocks": blocks}
+        r = transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, seed=3), tokens=64 * 3, queries=16, progress=False, **kw)
+        outs.append(r.losses)
+    assert outs[0] == outs[1]
+
+
+def test_cosine_schedule_decays_the_learning_rate_over_the_token_budget(monkeypatch):
+    assert transfer.SCHEDULES["cosine"](0.0) == 1.0 and transfer.SCHEDULES["cosine"](0.5) == pytest.approx(0.5)
+    assert transfer.SCHEDULES["cosine"](1.0) == pytest.approx(0.0) and transfer.SCHEDULES["constant"](0.7) == 1.0
+    lrs = _record_lrs(monkeypatch)
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
+    transfer.attention_transfer(
+        m, evaluation.shuffled_batches(_ids(), 64, 1, seed=3), tokens=64 * 4, lr=0.02, queries=16, query_blocks=2, schedule="cosine", progress=False
+    )
+    # progress before each step: 0, 1/8, 2/8, ... 7/8 of the budget
+    assert lrs == pytest.approx([0.02 * 0.5 * (1 + math.cos(math.pi * i / 8)) for i in range(8)])
+    lrs.clear()
+    transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, seed=3), tokens=64 * 2, lr=0.02, progress=False)
+    assert lrs == [0.02, 0.02]
+    with pytest.raises(ValueError, match=r"schedule must be one of \['constant', 'cosine'\]"):
+        transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=64, schedule="linear", progress=False)
+
+
+def test_conversion_config_checks_schedule_and_blocks():
+    from hf_rfa.recipes.conversion.config import ConversionConfig
+
+    base = dict(model="x", output="o", calibration_text="c", eval_text="e", context=1024, transfer_queries=256)
+    ConversionConfig(**base, transfer_schedule="cosine", transfer_query_blocks=4)
+    with pytest.raises(ValueError, match="transfer_schedule must be one of"):
+        ConversionConfig(**base, transfer_schedule="step")
+    with pytest.raises(ValueError, match="transfer_query_blocks"):
+        ConversionConfig(**base, transfer_query_blocks=5)
+    with pytest.raises(ValueError, match="transfer_query_blocks must be an int >= 1"):
+        ConversionConfig(**base, transfer_query_blocks=0)

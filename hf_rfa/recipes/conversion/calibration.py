@@ -65,6 +65,19 @@ class Captured:
         cut = lambda x: x[:, :, -n:] if x is not None else None  # noqa: E731
         return Captured(cut(self.q), self.k, self.v, cut(self.out), self.mask, self.causal, self.scale, cut(self.fq), self.fk)
 
+    def queries_ending_at(self, end: int, n: int) -> "Captured":
+        """Causal captures: the ``n`` queries before position ``end`` (``[end − n, end)``) with the
+        keys they see (``[0, end)``): a shorter sequence's last queries, cut from this capture."""
+        if not self.causal:
+            raise ValueError("queries_ending_at needs a causal capture (encoders see every key)")
+        if not (1 <= n <= end <= self.k.shape[2]):
+            raise ValueError(f"need 1 <= n <= end <= {self.k.shape[2]} keys, got n={n}, end={end}")
+        keys = lambda x: x[:, :, :end] if x is not None else None  # noqa: E731
+        mask = self.mask[:, :end] if self.mask is not None else None
+        return Captured(
+            self.q[:, :, :end], keys(self.k), keys(self.v), self.out[:, :, :end], mask, True, self.scale, keys(self.fq), keys(self.fk)
+        ).last_queries(n)
+
 
 def feature_inputs(rfa: nn.Module, cap: Captured) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(feature_q, feature_k)`` for the op on a capture: the un-rotated q/k for a layer with

@@ -49,6 +49,8 @@ class ConversionConfig:
     batch_size: int = field(default=1, metadata={"help": "sequences per step of transfer and LoRA (causal LMs)"})
     transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (0 or None: all)"})
     transfer_lr: float = field(default=1e-2, metadata={"help": "learning rate of attention transfer"})
+    transfer_schedule: str = field(default="constant", metadata={"help": "learning-rate schedule of attention transfer over its token budget: constant or cosine (down to 0)"})
+    transfer_query_blocks: int = field(default=1, metadata={"help": "causal: optimiser steps per captured sequence, each fitting the next transfer_queries positions back from the end (the teacher's forward is shared)"})
     lora_lr: float = field(default=1e-3, metadata={"help": "learning rate of LoRA"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     train_autocast: str = field(default="auto", metadata={"help": "mixed precision of attention transfer and LoRA: auto (bf16 where it is faster: CUDA with bf16, CPUs with AMX / AVX-512 BF16; else float32), off, bf16"})
@@ -71,6 +73,17 @@ class ConversionConfig:
             v = getattr(self, name)
             if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
                 raise ValueError(f"{name} must be a list of ints >= 1, got {v!r}")
+        from .transfer import SCHEDULES
+
+        if self.transfer_schedule not in SCHEDULES:
+            raise ValueError(f"transfer_schedule must be one of {sorted(SCHEDULES)}, got {self.transfer_schedule!r}")
+        _check_int("transfer_query_blocks", self.transfer_query_blocks, 1)
+        if self.transfer_query_blocks > 1:
+            if self.transfer_queries is None or self.transfer_query_blocks * self.transfer_queries > self.context:
+                raise ValueError(
+                    f"transfer_query_blocks × transfer_queries must fit in context ({self.context}), got "
+                    f"{self.transfer_query_blocks} × {self.transfer_queries}"
+                )
         for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features", "copy_draws", "passkey_trials"):
             _check_int(name, getattr(self, name), 1)
         for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max"):

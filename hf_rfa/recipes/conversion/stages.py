@@ -194,7 +194,8 @@ def attention_transfer(s: State) -> None:
     res = transfer.attention_transfer(
         s.model, s.train_stream(), cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
         queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None, max_seconds=_max_seconds(cfg.transfer_minutes),
-        autocast=_autocast(s),
+        autocast=_autocast(s), schedule=cfg.transfer_schedule,
+        query_blocks=cfg.transfer_query_blocks if s.kind == CAUSAL_LM else 1,
     )
     s.stages["transfer"] = res.as_dict()
     s.layer_errors(f"{s.label}, after transfer")

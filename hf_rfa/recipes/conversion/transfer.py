@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -169,6 +170,14 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
     return done
 
 
+#: Learning-rate schedules of attention transfer: factor of ``lr`` at progress ``p`` ∈ [0, 1]
+#: (tokens seen / the token budget, counted before each optimiser step).
+SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda p: 1.0,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * min(max(p, 0.0), 1.0))),
+}
+
+
 def attention_transfer(
     model: nn.Module,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
@@ -182,6 +191,8 @@ def attention_transfer(
     max_position: int | None = None,
     seed: int = 0,
     autocast: torch.dtype | None = None,
+    schedule: str = "constant",
+    query_blocks: int = 1,
 ) -> TransferResult:
     """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
 
@@ -204,11 +215,25 @@ def attention_transfer(
             those below the training context. None: positions from 0.
         autocast: ``torch.bfloat16`` runs the teacher's forward and the layers' outputs under
             autocast (:mod:`.precision`; the loss in float32); None: float32.
+        schedule: learning-rate schedule over the token budget, a name in :data:`SCHEDULES`
+            (``"constant"``; ``"cosine"``: from ``lr`` down to 0 at the last token).
+        query_blocks: causal layers with ``queries``: optimiser steps per captured sequence, step
+            ``b`` fitting the ``queries`` positions that end ``b · queries`` before the sequence's
+            end (with the keys they see). The teacher's forward (most of a step's time at 1,024
+            tokens) is shared by ``query_blocks`` steps; the budget still counts each sequence's
+            tokens once.
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
-    Raises ValueError when the converted layers have nothing to train (random maps).
+    Raises ValueError when the converted layers have nothing to train (random maps), or for an
+    unknown ``schedule`` or a ``query_blocks`` that the sequences cannot hold.
     """
     from tqdm.auto import tqdm
 
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if isinstance(query_blocks, bool) or not isinstance(query_blocks, int) or query_blocks < 1:
+        raise ValueError(f"query_blocks must be an int >= 1, got {query_blocks!r}")
+    if query_blocks > 1 and queries is None:
+        raise ValueError("query_blocks > 1 needs queries (the size of each block of fitted queries)")
     params = rfa_parameters(model)
     if not params:
         raise ValueError("the converted model's feature maps have no trainable parameters (random maps need no transfer)")
@@ -245,27 +270,35 @@ def attention_transfer(
             if res.steps == 0:
                 nk = ids.shape[-1]
                 logger.info("attention transfer: layer outputs by the %s (%d keys; the twin up to %d)", "quadratic twin" if nk <= twin_max_keys else "op", nk, twin_max_keys)
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for idx, rfa in layers.items():
-                cap = caps[idx]
-                if queries is not None and cap.causal and queries < cap.q.shape[2]:
-                    cap = cap.last_queries(queries)
-                with precision.autocast(device, autocast):
-                    pred = transfer_output(rfa, cap, twin_max_keys)
-                diff = pred.float() - cap.out.float()
-                if cap.mask is not None:
-                    m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
-                    loss = (diff.pow(2) * m).sum() / (m.sum() * diff.shape[1] * diff.shape[-1]).clamp_min(1)
-                else:
-                    loss = diff.pow(2).mean()
-                (loss / len(layers)).backward()
-                total += float(loss.detach())
-            opt.step()
             n = int(mask.sum()) if mask is not None else ids.numel()
+            nk = ids.shape[-1]
+            if query_blocks > 1 and query_blocks * queries > nk:
+                raise ValueError(f"query_blocks ({query_blocks}) × queries ({queries}) exceeds the sequence length ({nk})")
+            for b in range(query_blocks):
+                for group in opt.param_groups:
+                    group["lr"] = lr * SCHEDULES[schedule]((res.tokens + n * b / query_blocks) / max(tokens, 1))
+                opt.zero_grad(set_to_none=True)
+                total = 0.0
+                for idx, rfa in layers.items():
+                    cap = caps[idx]
+                    if query_blocks > 1 and cap.causal:
+                        cap = cap.queries_ending_at(nk - b * queries, queries)
+                    elif queries is not None and cap.causal and queries < cap.q.shape[2]:
+                        cap = cap.last_queries(queries)
+                    with precision.autocast(device, autocast):
+                        pred = transfer_output(rfa, cap, twin_max_keys)
+                    diff = pred.float() - cap.out.float()
+                    if cap.mask is not None:
+                        m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
+                        loss = (diff.pow(2) * m).sum() / (m.sum() * diff.shape[1] * diff.shape[-1]).clamp_min(1)
+                    else:
+                        loss = diff.pow(2).mean()
+                    (loss / len(layers)).backward()
+                    total += float(loss.detach())
+                opt.step()
+                res.steps += 1
+                res.losses.append(total / len(layers))
             res.tokens += n
-            res.steps += 1
-            res.losses.append(total / len(layers))
             bar.update(n)
             bar.set_postfix(mse=f"{res.losses[-1]:.2e}")
             if res.tokens >= tokens:
@@ -382,6 +415,6 @@ def lora_finetune(
 
 
 __all__ = [
-    "BudgetNotReached", "TRAIN_NAME", "TWIN_MAX_KEYS", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune",
+    "BudgetNotReached", "SCHEDULES", "TRAIN_NAME", "TWIN_MAX_KEYS", "TransferResult", "attention_transfer", "init_mixing", "lora_finetune",
     "register_train", "rfa_parameters", "transfer_output",
 ]
