@@ -50,6 +50,29 @@ QUICK = [
 ]
 
 
+def without(flags: list[str], names: set[str]) -> list[str]:
+    """``flags`` (e.g. :data:`DEFAULT`) with the flags in ``names`` and their values left out."""
+    out, skip = [], False
+    for x in flags:
+        if x.startswith("--"):
+            skip = x in names
+        if not skip:
+            out.append(x)
+    return out
+
+
+def asset_args(output: str) -> list[str]:
+    """The offline model and the Wikipedia splits (prepared on first use) as ``convert.py`` flags,
+    writing to ``output`` (replaced if it exists)."""
+    from hf_rfa import assets
+
+    files = {s: assets.wikipedia_text_file(s) for s in assets.WIKIPEDIA_SPLITS}
+    return [
+        "--model", str(assets.smollm2_path()), "--output", output, "--overwrite",
+        "--calibration-text", str(files["calibration"]), "--train-text", str(files["train"]), "--eval-text", str(files["eval"]),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few-minute run")
@@ -57,17 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     a, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     start = time.time()
-    from hf_rfa import assets
-
-    model = assets.smollm2_path()
-    files = {s: assets.wikipedia_text_file(s) for s in assets.WIKIPEDIA_SPLITS}
     import convert
 
-    args = (QUICK if a.quick else DEFAULT) + [
-        "--model", str(model), "--output", a.output, "--overwrite",
-        "--calibration-text", str(files["calibration"]), "--train-text", str(files["train"]), "--eval-text", str(files["eval"]),
-    ] + rest
-    convert.main(args)
+    convert.main((QUICK if a.quick else DEFAULT) + asset_args(a.output) + rest)
     print(f"main job: {(time.time() - start) / 60:.1f} min wall (2 shared CPU cores)")
 
 

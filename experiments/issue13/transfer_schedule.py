@@ -30,22 +30,10 @@ torch.set_num_threads(int(os.environ.get("NT", "2")))
 
 import convert  # noqa: E402
 import main_job  # noqa: E402
-from hf_rfa import assets  # noqa: E402
 
 drop = {"--baseline-windows", "--copy-gaps", "--copy-draws", "--passkey-lengths", "--passkey-trials"}
 drop |= {x for x in extra if x.startswith("--")}
-args, skip = [], False
-for x in main_job.DEFAULT:
-    if x.startswith("--"):
-        skip = x in drop
-    if not skip:
-        args.append(x)
-files = {s: assets.wikipedia_text_file(s) for s in assets.WIKIPEDIA_SPLITS}
-args += extra + [
-    "--no-window-only-baseline",
-    "--model", str(assets.smollm2_path()), "--output", a.output, "--overwrite",
-    "--calibration-text", str(files["calibration"]), "--train-text", str(files["train"]), "--eval-text", str(files["eval"]),
-]
+args = main_job.without(main_job.DEFAULT, drop) + extra + ["--no-window-only-baseline"] + main_job.asset_args(a.output)
 print(" ".join(args), flush=True)
 convert.main(args)
 rep = json.loads((Path(a.output) / "report.json").read_text())

@@ -170,6 +170,16 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
     return done
 
 
+def _masked_mse(pred: torch.Tensor, cap: Captured) -> torch.Tensor:
+    """MSE (float32) of a layer's output ``[B, H, Nq, Dv]`` against the capture's softmax output,
+    over real (unpadded) query positions."""
+    diff = pred.float() - cap.out.float()
+    if cap.mask is None:
+        return diff.pow(2).mean()
+    m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
+    return (diff.pow(2) * m).sum() / (m.sum() * diff.shape[1] * diff.shape[-1]).clamp_min(1)
+
+
 #: Learning-rate schedules of attention transfer: factor of ``lr`` at progress ``p`` ∈ [0, 1]
 #: (tokens seen / the token budget, counted before each optimiser step).
 SCHEDULES: dict[str, Callable[[float], float]] = {
@@ -267,11 +277,10 @@ def attention_transfer(
                 caps = capture(model, ids, mask, pos)
             if init_mix and res.steps == 0:
                 init_mixing(model, caps)
+            nk = ids.shape[-1]
             if res.steps == 0:
-                nk = ids.shape[-1]
                 logger.info("attention transfer: layer outputs by the %s (%d keys; the twin up to %d)", "quadratic twin" if nk <= twin_max_keys else "op", nk, twin_max_keys)
             n = int(mask.sum()) if mask is not None else ids.numel()
-            nk = ids.shape[-1]
             if query_blocks > 1 and query_blocks * queries > nk:
                 raise ValueError(f"query_blocks ({query_blocks}) × queries ({queries}) exceeds the sequence length ({nk})")
             for b in range(query_blocks):
@@ -281,18 +290,11 @@ def attention_transfer(
                 total = 0.0
                 for idx, rfa in layers.items():
                     cap = caps[idx]
-                    if query_blocks > 1 and cap.causal:
-                        cap = cap.queries_ending_at(nk - b * queries, queries)
-                    elif queries is not None and cap.causal and queries < cap.q.shape[2]:
-                        cap = cap.last_queries(queries)
+                    if queries is not None and cap.causal and queries < cap.q.shape[2]:
+                        cap = cap.queries_ending_at(nk - b * queries, queries)  # b = 0: the last queries
                     with precision.autocast(device, autocast):
                         pred = transfer_output(rfa, cap, twin_max_keys)
-                    diff = pred.float() - cap.out.float()
-                    if cap.mask is not None:
-                        m = cap.mask[:, None, -diff.shape[2] :, None].to(diff.dtype)
-                        loss = (diff.pow(2) * m).sum() / (m.sum() * diff.shape[1] * diff.shape[-1]).clamp_min(1)
-                    else:
-                        loss = diff.pow(2).mean()
+                    loss = _masked_mse(pred, cap)
                     (loss / len(layers)).backward()
                     total += float(loss.detach())
                 opt.step()
