@@ -14,7 +14,7 @@ import torch
 
 from .backends import honoured, native, resolve
 from .bidirectional import bidirectional_feature_attention
-from .fused import causal_feature_attention
+from .fused import causal_feature_attention, fold_keys
 from .hybrid import exact_local
 from .hybrid_recompute import hybrid_attention
 from .linear import bidirectional_linear, causal_linear, shift_keys
@@ -220,14 +220,20 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     if window < n and not null:
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place
-            fused_out = q.new_empty(b, hkv, g, n, v.shape[-1], dtype=ct) if not parts else None
+            fused_out = q.new_empty(b, hkv, g, nq if causal else n, v.shape[-1], dtype=ct) if not parts else None
             if causal:
                 ks, vs, kmask, lka = fk_in, vv, feat_mask, lk_add
                 if window > 0:  # feature part of a causal window: query t sees keys s <= t - W
                     ks, vs, lka = shift_keys(fk_in, window, 0.0), shift_keys(vv, window, 0.0), (shift_keys(lk_add, window, 0.0) if lk_add is not None else None)
                     real = feat_mask if feat_mask is not None else torch.ones(b, nk, dtype=torch.bool, device=q.device)
                     kmask = shift_keys(real, window, False, dim=1)
-                part = causal_feature_attention(feature_map, fq_in, ks, vs, kmask, lq_add, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks, backend=be)[0]
+                qs, lqs, state = fq_in, lq_add, None
+                if nq < n:  # queries are the last Nq: the keys they all see are folded at once
+                    p0 = n - nq
+                    state = fold_keys(feature_map, ks[:, :, :p0], vs[:, :, :p0], kmask[:, :p0] if kmask is not None else None, lka[..., :p0] if lka is not None else None, x_scale=root)
+                    cut = lambda x, dim=2: x.narrow(dim, p0, nq) if x is not None else None  # noqa: E731
+                    qs, ks, vs, kmask, lqs, lka = cut(fq_in), cut(ks), cut(vs), cut(kmask, 1), cut(lq_add, -1), cut(lka, -1)
+                part = causal_feature_attention(feature_map, qs, ks, vs, kmask, lqs, lka, chunk_size, x_scale=root, out=fused_out, checkpoint=checkpoint_blocks, backend=be, state=state)[0]
             else:
                 part = bidirectional_feature_attention(feature_map, fq_in, fk_in, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:
@@ -235,13 +241,21 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
         else:
             parts += _bidirectional_feature_parts(qf, lq, kf, lk, vv, window, chunk_size)
     if fused_out is not None:
-        return to_output_dtype(fused_out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
+        return to_output_dtype(fused_out.reshape(b, h, -1, fused_out.shape[-1])[:, :, -nq:], out_dtype)
+    parts = [_last_rows(p, nq) for p in parts]  # (the causal feature part has only those)
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
-    out = finalize(total, feature_map.eps)  # [B,Hkv,G,N,Dv]
-    out = out.reshape(b, h, n, -1)[:, :, n - nq :]
+    out = finalize(total, feature_map.eps)  # [B,Hkv,G,Nq,Dv]
+    out = out.reshape(b, h, nq, -1)
     return to_output_dtype(out, out_dtype)
+
+
+def _last_rows(part: Partial, rows: int) -> Partial:
+    """The Partial of the last ``rows`` query positions (``[B,Hkv,G,N,·]``; itself when N == rows)."""
+    if part.num.shape[-2] == rows:
+        return part
+    return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
 
 
 def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None) -> bool:

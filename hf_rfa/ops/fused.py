@@ -20,10 +20,10 @@ import torch
 from .backends import native, resolve
 from .backends.causal_infer import BlockWorkspace
 from .chunkwise import Block, assemble_block, block_features
-from .masks import exp_floor, needs_grad
+from .masks import NEG, exp_floor, needs_grad
 from .partial import Partial, finalize
 from .recompute import ScanFunction, map_params
-from .recurrent import LinearState
+from .recurrent import LinearState, fold
 from .scan import ScanSpec, causal_scan, plan_blocks, split_tokens, state_matrix
 
 
@@ -99,6 +99,27 @@ def causal_feature_attention(
     return causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps)
 
 
+def fold_keys(feature_map, xk: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, lk_add: torch.Tensor | None = None, x_scale: float = 1.0) -> LinearState:
+    """The state :func:`causal_feature_attention` reaches after the keys ``xk [B, Hkv, N, D]``
+    (multiplied by ``x_scale`` before the map), values ``v [B, Hkv, N, Dv]``, key mask ``[B, N]``
+    bool or None and gate offsets ``lk_add [B, Hkv, N]`` or None, from the empty state — folded at
+    once (:func:`~hf_rfa.ops.recurrent.fold`, autograd form), with no query: what a call whose
+    queries are the last positions needs of the keys before them (:func:`hf_rfa.ops.attention.
+    random_feature_attention` with Nq < Nk)."""
+    ct = torch.float64 if xk.dtype == torch.float64 else torch.float32
+    fk = feature_map.forward_keys(xk.to(ct) * x_scale)
+    kf, lk = fk.phi, fk.log_scale
+    if lk_add is not None:
+        lk = lk_add if lk is None else lk + lk_add
+    if key_mask is not None:
+        kf = kf * key_mask[:, None, :, None]
+        if lk is not None:
+            lk = torch.where(key_mask[:, None, :], lk, torch.full_like(lk, NEG))
+    b, hkv = xk.shape[:2]
+    state = LinearState.zeros(b, hkv, kf.shape[-1], v.shape[-1], device=xk.device, dtype=kf.dtype)
+    return fold(state, kf, lk, v.to(kf.dtype))
+
+
 def _checkpointed(spec: ScanSpec, state: LinearState, key_mask, xq, xk, v, lq_add, lk_add, params, out) -> tuple[Partial | None, LinearState]:
     """:func:`causal_feature_attention` by the recomputing :class:`ScanFunction` (training memory);
     ``params``: the map's parameters named ``spec.names``."""
@@ -139,4 +160,4 @@ def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int,
     return Partial(o[..., :dv], o[..., dv], ls), st
 
 
-__all__ = ["causal_feature_attention"]
+__all__ = ["causal_feature_attention", "fold_keys"]
