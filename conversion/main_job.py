@@ -5,9 +5,9 @@
 2. converts SmolLM2 to a hybrid — exact window of 64 + 4 exact sink tokens + a learned Hedgehog map
    (m=64, 128 features) for every other key, reading q/k before the rotary embedding
    (``feature_input="unrotated"``), with a learned decay of the feature state (half-life 128 at
-   start) — trains the map by attention transfer on 131,072 train tokens at context 1024 (two
-   optimiser steps per sequence: its last 256 queries, then the 256 before them, from one teacher
-   forward; ``--transfer-query-blocks 2``), then LoRA-tunes the model on 32,768 tokens at context
+   start) — trains the map by attention transfer on 131,072 train tokens at context 1024 (four
+   optimiser steps per sequence: its last 256 queries, then the 256 before them, and so on down to
+   its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 32,768 tokens at context
    4096 (token budgets: the 30-min limits are only safety limits that fail the run);
 3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
    every other key dropped, its own LoRA with the same budget), the strongest trivial baseline, and
@@ -36,7 +36,7 @@ import time
 
 DEFAULT = [
     "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4", "--decay", "128",
-    "--feature-input", "unrotated", "--transfer-tokens", "131072", "--transfer-query-blocks", "2", "--transfer-minutes", "30", "--no-evaluate-before-transfer",
+    "--feature-input", "unrotated", "--transfer-tokens", "131072", "--transfer-query-blocks", "4", "--transfer-minutes", "30", "--no-evaluate-before-transfer",
     "--baseline-windows", "128", "--no-baselines",
     "--context", "1024", "--lora-tokens", "32768", "--lora-context", "4096", "--lora-minutes", "30",
     "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",

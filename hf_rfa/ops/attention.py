@@ -15,7 +15,7 @@ import torch
 from .backends import honoured, native, resolve
 from .bidirectional import bidirectional_feature_attention
 from .fused import causal_feature_attention, fold_keys
-from .hybrid import exact_local
+from .hybrid import exact_local, exact_local_last
 from .hybrid_recompute import hybrid_attention
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
@@ -216,7 +216,10 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
         num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
         parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
     elif window > 0 or sinks > 0:
-        parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size, recompute=checkpoint_blocks))
+        if causal and nq < n:  # only the last Nq rows, on the keys they see
+            parts.append(exact_local_last(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, nq, chunk_size, recompute=checkpoint_blocks))
+        else:
+            parts.append(exact_local(xq.reshape(b, hkv, g, n, d), xk, vv, km, window, sinks, causal, chunk_size, recompute=checkpoint_blocks))
     if window < n and not null:
         if fused:
             # alone (no exact part to merge with), the output is normalised straight into place

@@ -185,6 +185,43 @@ def exact_local(
     return Partial(*band_forward(plan, xq, xk, v))
 
 
+def exact_local_last(
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    window: int,
+    sinks: int,
+    rows: int,
+    chunk_size: int = 64,
+    recompute: bool = False,
+) -> Partial:
+    """Causal :func:`exact_local` of the last ``rows`` query positions only (``[B,Hkv,G,rows,·]``;
+    the other rows of ``xq [B,Hkv,G,N,D]`` are not read): run on the keys those queries see — the
+    sinks' keys gathered in front of the keys from the first window position on — when every sink
+    exists and lies before that window (else :func:`exact_local` on all rows, then cut)."""
+    b, hkv, g, n, d = xq.shape
+    left = max(window - 1, 0)
+    c0 = n - rows - left  # first key in any of the queries' windows
+    if rows < n and c0 > 0 and sinks > 0:
+        spos, sok = sink_positions(key_mask, b, n, sinks, xq.device)
+        fits = bool(sok.all()) and int(spos.max()) < c0
+    else:
+        fits = rows < n and c0 > 0
+    if not fits:
+        part = exact_local(xq, xk, v, key_mask, window, sinks, True, chunk_size, recompute=recompute)
+        return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
+    keys, vals, mask = xk[:, :, c0:], v[:, :, c0:], key_mask[:, c0:] if key_mask is not None else None
+    if sinks > 0:  # the sinks in front: the crop's first S real tokens
+        keys = torch.cat([_gather_keys(xk, spos), keys], dim=2)
+        vals = torch.cat([_gather_keys(v, spos), vals], dim=2)
+        if mask is not None:
+            mask = torch.cat([sok, mask], dim=1)
+    crop = keys.shape[2]  # = sinks + left + rows: the query rows before the last ones are not read
+    part = exact_local(xq[..., n - crop :, :], keys, vals, mask, window, sinks, True, chunk_size, recompute=recompute)
+    return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
+
+
 def band_forward(plan: BandPlan, xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All blocks of the exact part → ``(num [B,Hkv,G,N,Dv], den, ls [B,Hkv,G,N])``."""
     c, n = plan.c, plan.n

@@ -70,7 +70,7 @@ def test_bidirectional_model_with_memory_is_refused():
 
 def test_recipes_run_the_layer_with_its_memory():
     """Layer errors / LoRA (``rfa_output``, the op) and attention transfer (``transfer_output``, the
-    twin up to 256 keys) both answer the memory keys exactly."""
+    twin up to ``TWIN_MAX_KEYS`` keys) both answer the memory keys exactly."""
     from hf_rfa.recipes.conversion.calibration import Captured, rfa_output
     from hf_rfa.recipes.conversion.transfer import transfer_output
 

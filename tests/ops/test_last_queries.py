@@ -139,3 +139,26 @@ def test_last_queries_scan_only_their_rows(monkeypatch):
         hf_rfa.random_feature_attention(q[:, :, -10:], k, v, fm, causal=True, window=6, sinks=2, attention_mask=mask)
         hf_rfa.random_feature_attention(q, k, v, fm, causal=True, window=6, sinks=2, attention_mask=mask)
     assert seen == [(10, True), (75, False)]
+
+
+def test_last_queries_band_runs_on_the_keys_they_see(monkeypatch):
+    """The exact band of the last Nq queries runs on sinks + the keys from their first window
+    position on (crop = S + W − 1 + Nq), and on every row when a sink lies in that span."""
+    from hf_rfa.ops import attention, hybrid
+
+    seen = []
+    real = hybrid.exact_local
+
+    def spy(xq, xk, *a, **kw):
+        seen.append(xk.shape[2])
+        return real(xq, xk, *a, **kw)
+
+    monkeypatch.setattr(hybrid, "exact_local", spy)
+    monkeypatch.setattr(attention, "exact_local", spy)
+    q, k, v, mask = inputs()
+    fm = make_fm("hedgehog", 8)
+    with torch.no_grad():  # (backend "torch": the native kernel answers the band on every row)
+        hf_rfa.random_feature_attention(q[:, :, -10:], k, v, fm, causal=True, window=6, sinks=2, attention_mask=mask, backend="torch")
+        # 66 queries: their first window key (position 4) precedes row 1's sinks (positions 9, 10)
+        hf_rfa.random_feature_attention(q[:, :, -66:], k, v, fm, causal=True, window=6, sinks=2, attention_mask=mask, backend="torch")
+    assert seen == [2 + 5 + 10, 75]
