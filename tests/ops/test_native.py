@@ -263,6 +263,14 @@ def test_build_key_covers_source_torch_and_flags(monkeypatch, tmp_path):
     assert native._build_name() != base
 
 
+def test_build_key_covers_the_torch_installation(monkeypatch):
+    """Two virtual environments (same torch version, other folders, so other include paths) get
+    two builds instead of rebuilding one in turn."""
+    base = native._build_name()
+    monkeypatch.setattr(native, "_torch_dir", lambda: "/another/venv/lib/python3.11/site-packages/torch")
+    assert native._build_name() != base
+
+
 def test_staged_source_path_is_shared(monkeypatch, tmp_path):
     """The build compiles a copy inside its build folder: one path for every checkout."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))

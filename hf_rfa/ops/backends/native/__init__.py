@@ -73,12 +73,21 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
+def _torch_dir() -> str:
+    """The folder PyTorch is installed in (its headers, which the build includes, are there)."""
+    return str(Path(torch.__file__).resolve().parent)
+
+
 def _build_name() -> str:
-    """Extension name keyed on the source, the PyTorch version, the flags and the CPU (built with
-    ``-march=native``: a cache shared between different CPUs must not reuse a binary). Identical
-    sources share one build whichever checkout they come from; different ones coexist."""
+    """Extension name keyed on the source, the PyTorch version and installation folder, the flags
+    and the CPU (built with ``-march=native``: a cache shared between different CPUs must not reuse
+    a binary). Identical sources share one build whichever checkout they come from; different ones
+    coexist. The installation folder is in the key because the build's include paths name it:
+    two virtual environments sharing one build folder would otherwise rebuild it each time the
+    other one had loaded it (about a minute each)."""
     h = hashlib.sha256(_SOURCE.read_bytes())
     h.update(torch.__version__.encode())
+    h.update(_torch_dir().encode())
     h.update(" ".join(CFLAGS + ("|",) + LDFLAGS).encode())
     h.update(platform.machine().encode())
     try:
