@@ -20,7 +20,7 @@ from .hybrid_recompute import hybrid_attention
 from .linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import check_memory_args, memory_attention
-from .partial import Partial, finalize, merge
+from .partial import Partial, finalize, last_rows, merge
 from .recurrent import LinearState
 from .rotary import check_rope, unrotate
 
@@ -245,20 +245,13 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
             parts += _bidirectional_feature_parts(qf, lq, kf, lk, vv, window, chunk_size)
     if fused_out is not None:
         return to_output_dtype(fused_out.reshape(b, h, -1, fused_out.shape[-1])[:, :, -nq:], out_dtype)
-    parts = [_last_rows(p, nq) for p in parts]  # (the causal feature part has only those)
+    parts = [last_rows(p, nq) for p in parts]  # (the causal feature part has only those)
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
     out = finalize(total, feature_map.eps)  # [B,Hkv,G,Nq,Dv]
     out = out.reshape(b, h, nq, -1)
     return to_output_dtype(out, out_dtype)
-
-
-def _last_rows(part: Partial, rows: int) -> Partial:
-    """The Partial of the last ``rows`` query positions (``[B,Hkv,G,N,·]``; itself when N == rows)."""
-    if part.num.shape[-2] == rows:
-        return part
-    return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
 
 
 def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None) -> bool:

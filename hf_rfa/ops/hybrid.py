@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .masks import NEG, exp_floor, needs_grad, sink_positions
-from .partial import Partial
+from .partial import Partial, last_rows
 
 
 def _gather_keys(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -209,8 +209,7 @@ def exact_local_last(
     else:
         fits = rows < n and c0 > 0
     if not fits:
-        part = exact_local(xq, xk, v, key_mask, window, sinks, True, chunk_size, recompute=recompute)
-        return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
+        return last_rows(exact_local(xq, xk, v, key_mask, window, sinks, True, chunk_size, recompute=recompute), rows)
     keys, vals, mask = xk[:, :, c0:], v[:, :, c0:], key_mask[:, c0:] if key_mask is not None else None
     if sinks > 0:  # the sinks in front: the crop's first S real tokens
         keys = torch.cat([_gather_keys(xk, spos), keys], dim=2)
@@ -218,8 +217,7 @@ def exact_local_last(
         if mask is not None:
             mask = torch.cat([sok, mask], dim=1)
     crop = keys.shape[2]  # = sinks + left + rows: the query rows before the last ones are not read
-    part = exact_local(xq[..., n - crop :, :], keys, vals, mask, window, sinks, True, chunk_size, recompute=recompute)
-    return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
+    return last_rows(exact_local(xq[..., n - crop :, :], keys, vals, mask, window, sinks, True, chunk_size, recompute=recompute), rows)
 
 
 def band_forward(plan: BandPlan, xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -26,6 +26,13 @@ class Partial:
     log_scale: torch.Tensor
 
 
+def last_rows(part: Partial, rows: int) -> Partial:
+    """The Partial of the last ``rows`` query positions (itself when it has no more)."""
+    if part.num.shape[-2] == rows:
+        return part
+    return Partial(part.num[..., -rows:, :], part.den[..., -rows:], part.log_scale[..., -rows:])
+
+
 def merge(a: Partial | None, b: Partial | None) -> Partial:
     """Sum two Partials of the same rows, rescaled to the larger log scale."""
     if a is None or b is None:
