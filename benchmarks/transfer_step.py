@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     from hf_rfa import assets
     from hf_rfa.recipes.conversion.calibration import capture, rfa_layers
     from hf_rfa.recipes.conversion.transfer import _masked_mse, transfer_output
+    from train_step import RECIPES  # the main job's recipe
 
     path = str(assets.smollm2_path())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    cfg = hf_rfa.RFAConfig(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128.0, feature_input="unrotated", seed=0, feature_map_options={"hybrid_mix": True})
-    model = hf_rfa.convert(model, cfg).eval()
+    model = hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES["main"])).eval()
     for q in model.parameters():
         q.requires_grad_(False)
     layers = rfa_layers(model)

@@ -157,9 +157,17 @@ def assemble_block(fq, fk, vb, kmb, lqab, lkab, hkv: int, in_place: bool) -> Blo
     b, h, t = fq.phi.shape[:3]
     qf = fq.phi.reshape(b, hkv, h // hkv, t, -1)
     lq = fq.log_scale.reshape(b, hkv, h // hkv, t) if fq.log_scale is not None else None
-    kf, lk = fk.phi, fk.log_scale
     if lqab is not None:
         lq = lqab if lq is None else lq + lqab
+    kf, lk = key_terms(fk, kmb, lkab, in_place)
+    return qf, lq, kf, lk, vb
+
+
+def key_terms(fk, kmb, lkab, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(kf [B,Hkv,T,F], lk [B,Hkv,T] | None)`` from key :class:`~hf_rfa.feature_maps.Features`:
+    gate offsets ``lkab`` added to the log scales, keys masked out by ``kmb [B,T]`` zeroed (log
+    scale NEG). ``in_place``: zero the features in place."""
+    kf, lk = fk.phi, fk.log_scale
     if lkab is not None:
         lk = lkab if lk is None else lk + lkab
     if kmb is not None:
@@ -167,7 +175,7 @@ def assemble_block(fq, fk, vb, kmb, lqab, lkab, hkv: int, in_place: bool) -> Blo
         kf = kf.mul_(km.unsqueeze(-1)) if in_place else kf * km.unsqueeze(-1)
         if lk is not None:
             lk = torch.where(km, lk, torch.full_like(lk, NEG))
-    return qf, lq, kf, lk, vb
+    return kf, lk
 
 
-__all__ = ["Block", "assemble_block", "block_features", "block_step", "causal_block", "with_ones"]
+__all__ = ["Block", "assemble_block", "block_features", "block_step", "causal_block", "key_terms", "with_ones"]

@@ -19,8 +19,8 @@ import torch
 
 from .backends import native, resolve
 from .backends.causal_infer import BlockWorkspace
-from .chunkwise import Block, assemble_block, block_features
-from .masks import NEG, exp_floor, needs_grad
+from .chunkwise import Block, assemble_block, block_features, key_terms
+from .masks import exp_floor, needs_grad
 from .partial import Partial, finalize
 from .recompute import ScanFunction, map_params
 from .recurrent import LinearState, fold
@@ -107,14 +107,7 @@ def fold_keys(feature_map, xk: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     queries are the last positions needs of the keys before them (:func:`hf_rfa.ops.attention.
     random_feature_attention` with Nq < Nk)."""
     ct = torch.float64 if xk.dtype == torch.float64 else torch.float32
-    fk = feature_map.forward_keys(xk.to(ct) * x_scale)
-    kf, lk = fk.phi, fk.log_scale
-    if lk_add is not None:
-        lk = lk_add if lk is None else lk + lk_add
-    if key_mask is not None:
-        kf = kf * key_mask[:, None, :, None]
-        if lk is not None:
-            lk = torch.where(key_mask[:, None, :], lk, torch.full_like(lk, NEG))
+    kf, lk = key_terms(feature_map.forward_keys(xk.to(ct) * x_scale), key_mask, lk_add)
     b, hkv = xk.shape[:2]
     state = LinearState.zeros(b, hkv, kf.shape[-1], v.shape[-1], device=xk.device, dtype=kf.dtype)
     return fold(state, kf, lk, v.to(kf.dtype))

@@ -196,18 +196,16 @@ def exact_local_last(
     chunk_size: int = 64,
     recompute: bool = False,
 ) -> Partial:
-    """Causal :func:`exact_local` of the last ``rows`` query positions only (``[B,Hkv,G,rows,·]``;
-    the other rows of ``xq [B,Hkv,G,N,D]`` are not read): run on the keys those queries see — the
-    sinks' keys gathered in front of the keys from the first window position on — when every sink
-    exists and lies before that window (else :func:`exact_local` on all rows, then cut)."""
+    """Causal :func:`exact_local` of the last ``rows`` query positions only (``[B,Hkv,G,rows,·]``):
+    run on the keys those queries see — the sinks' keys gathered in front of the keys from the first
+    window position on — with the matching last rows of ``xq [B,Hkv,G,N,D]``, when every sink exists
+    and lies before that window (else :func:`exact_local` on all rows, then cut)."""
     b, hkv, g, n, d = xq.shape
-    left = max(window - 1, 0)
-    c0 = n - rows - left  # first key in any of the queries' windows
-    if rows < n and c0 > 0 and sinks > 0:
+    c0 = n - rows - max(window - 1, 0)  # first key in any of the queries' windows
+    fits = rows < n and c0 > 0
+    if fits and sinks > 0:
         spos, sok = sink_positions(key_mask, b, n, sinks, xq.device)
         fits = bool(sok.all()) and int(spos.max()) < c0
-    else:
-        fits = rows < n and c0 > 0
     if not fits:
         return last_rows(exact_local(xq, xk, v, key_mask, window, sinks, True, chunk_size, recompute=recompute), rows)
     keys, vals, mask = xk[:, :, c0:], v[:, :, c0:], key_mask[:, c0:] if key_mask is not None else None
@@ -216,7 +214,7 @@ def exact_local_last(
         vals = torch.cat([_gather_keys(v, spos), vals], dim=2)
         if mask is not None:
             mask = torch.cat([sok, mask], dim=1)
-    crop = keys.shape[2]  # = sinks + left + rows: the query rows before the last ones are not read
+    crop = keys.shape[2]  # sinks + W − 1 + rows
     return last_rows(exact_local(xq[..., n - crop :, :], keys, vals, mask, window, sinks, True, chunk_size, recompute=recompute), rows)
 
 
