@@ -76,6 +76,13 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, 
     model.train()
     if dtype.endswith("-ckpt"):  # transformers' activation checkpointing: each layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = dtype.endswith("-compile")
+    if compiled:  # regional compilation: each decoder layer torch.compile'd whole (one graph serves all 30)
+        if model_kind == "converted":
+            hf_rfa.compile_layers(model)  # fullgraph; traces the hybrid's recomputing backward too
+        else:
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True)
     for p in model.parameters():
         p.requires_grad_(True)
     ids = torch.randint(10, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
@@ -84,15 +91,17 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, 
         model.zero_grad(set_to_none=True)
         t0, c0 = time.perf_counter(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype.startswith("bf16")):
-            loss = model(input_ids=ids, labels=ids).loss
+            # compiled: no KV cache (its per-layer state would recompile the graph for every layer)
+            loss = model(input_ids=ids, labels=ids, **({"use_cache": False} if compiled else {})).loss
         loss.backward()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     best = min(times[1:])
+    warmup = times[0]  # with -compile: includes compiling
     # process CPU seconds of the step (all its threads): on a machine shared with other jobs, N /
     # cpu_seconds (threads=1) tracks the compute cost when wall time does not
-    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "load_avg_1m": os.getloadavg()[0]}
+    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "warmup_seconds": warmup, "load_avg_1m": os.getloadavg()[0]}
 
 
 def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1, recipe: str = "main", mmap_threshold: int | None = None) -> dict:
@@ -153,7 +162,7 @@ def plot(results: list[dict], path: Path, recipe: str = "main") -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model in ("original", "converted"):
-        for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^")):
+        for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^"), ("fp32-compile", "-.d")):
             pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not _mmap(r) and "tok_s" in r)
             if pts:
                 a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, nargs="+", default=None, help=f"token counts (default {SHORT_N}, with --long also {LONG_N})")
     ap.add_argument("--long", action="store_true", help=f"add the long cases N = {LONG_N} (an hour or more on 2 cores)")
     ap.add_argument("--steps", type=int, default=1, help="measured steps per case after the warm-up (the fastest counts)")
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp32-ckpt"], help="fp32-ckpt: fp32 with transformers' gradient checkpointing (model.gradient_checkpointing_enable)")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp32-ckpt", "fp32-compile"], help="fp32-ckpt: fp32 with transformers' gradient checkpointing (model.gradient_checkpointing_enable); fp32-compile: fp32 with every decoder layer torch.compile'd whole (converted: hf_rfa.compile_layers; original: layer.compile(fullgraph=True); both use_cache=False; the warm-up step compiles)")
     ap.add_argument("--models", nargs="+", default=["original", "converted"], choices=["original", "converted"])
     ap.add_argument("--original-max", type=int, default=8192, help="largest N run for the original model")
     ap.add_argument("--threads", type=int, default=2)
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         "# Training step: original vs converted SmolLM2-135M\n\n"
         "`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, threads per row, "
         f"fastest measured step after a warm-up; converted = {RECIPE_NAMES[args.recipe]} (`--recipe {args.recipe}`); peak RSS of the case's own process; "
-        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt = fp32 with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward). Original and converted of a row ran back to back (the ratio is measured "
+        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt = fp32 with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward); fp32-compile = fp32 with each decoder layer compiled whole (regional `torch.compile`, `fullgraph=True`: converted by `hf_rfa.compile_layers`, original by `layer.compile(fullgraph=True)`; both with `use_cache=False`; the warm-up step compiles, its seconds are `warmup_seconds` in the .json; rows before session 15's second run compiled with graph breaks). Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
         "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
         "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"

@@ -291,6 +291,7 @@ class HybridFunction(torch.autograd.Function):
         with torch.no_grad():
             _bound(spec, params, run)
         ctx.spec = spec
+        ctx.own_params = _own_params(spec, params)
         st = (torch.stack(states), torch.stack(refs)) if states else (None, None)
         ctx.save_for_backward(q, k, v, feature_q, feature_k, cos, sin, feat_mask, lq_add, lk_add, *st, *params)
         return out
@@ -299,8 +300,7 @@ class HybridFunction(torch.autograd.Function):
     def backward(ctx, dout):
         spec: HybridSpec = ctx.spec
         q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
-        # leaves of the parameter tensors forward ran with, bound again for the recomputation
-        params = param_leaves(saved, ctx.needs_input_grad[_NPOS:])
+        params = _backward_params(ctx, spec, saved)
         acc = _Grads(spec, q, k, v, fq, fk, lq_add, lk_add, len(params), cos is not None)
         dS = None
 
@@ -312,6 +312,30 @@ class HybridFunction(torch.autograd.Function):
 
         _bound(spec, params, run)
         return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, cos, sin, lq_add, lk_add))
+
+
+def _own_params(spec: HybridSpec, params) -> bool:
+    """Whether ``params`` are the feature map's own parameter tensors (not substitutes bound by
+    ``torch.func.functional_call``)."""
+    if spec.scan is None or not params:
+        return False
+    own = dict(spec.scan.feature_map.named_parameters())
+    return all(own.get(n) is p for n, p in zip(spec.scan.names, params))
+
+
+def _backward_params(ctx, spec: HybridSpec, saved) -> list:
+    """The parameter tensors backward recomputes with. When forward ran with the map's own
+    parameters and the saved tensors are still those (autograd's version check has already refused
+    an in-place change): the parameters themselves — nothing to rebind, so ``torch.compile`` traces
+    the backward without a graph break (under compilation the saved tensors are graph values, so
+    forward's identity check decides). Otherwise leaves of the saved tensors, bound again for the
+    recomputation (:func:`~hf_rfa.ops.recompute.with_params`)."""
+    if ctx.own_params:
+        own = dict(spec.scan.feature_map.named_parameters())
+        mine = [own.get(n) for n in spec.scan.names]
+        if torch.compiler.is_compiling() or all(m is s for m, s in zip(mine, saved)):
+            return mine
+    return param_leaves(saved, ctx.needs_input_grad[_NPOS:])
 
 
 def _bound(spec: HybridSpec, params, fn) -> None:

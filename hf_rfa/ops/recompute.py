@@ -81,6 +81,9 @@ def with_params(feature_map, names: tuple[str, ...], tensors, fn):
     under ``functional_call`` or after an in-place update)."""
     if not names:
         return fn()
+    own = dict(feature_map.named_parameters())
+    if all(own.get(n) is t for n, t in zip(names, tensors)):  # already bound (forward, outside functional_call):
+        return fn()  # nothing to rebind — and no module mutation for torch.compile to break its graph on
     return torch.func.functional_call(_Bind(feature_map), {"fm." + n: t for n, t in zip(names, tensors)}, (fn,))
 
 

@@ -267,6 +267,54 @@ def test_torch_compile_fullgraph(family):
     assert (real(out, mask) - real(ref, mask)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [
+    # the main job's recipe in small: learned map, decay, un-rotated feature inputs, hybrid mix
+    dict(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated", feature_map_options={"hybrid_mix": True}, chunk_size=8),
+    dict(feature_map="favor+", num_features=16, window=5, sinks=2, chunk_size=8),
+], ids=["hedgehog-decay-unrotated", "favor+"])
+def test_compile_layers_training_step_matches_eager(cfg):
+    """``hf_rfa.compile_layers`` (each decoder layer ``layer.compile(fullgraph=True)``, what
+    ``benchmarks/train_step.py --dtypes fp32-compile`` measures) traces the recomputing hybrid
+    Function whole — no graph break, one graph for all layers — and trains exactly as eager: loss
+    and every gradient, over two compiled steps."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(seed=0, **cfg))
+    model.train()
+    ids, _ = batch("llama", n=40)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss0, g0 = grads()
+    assert any("feature_map" in n for n in g0) == (cfg["feature_map"] == "hedgehog")
+    torch._dynamo.reset()
+    assert hf_rfa.compile_layers(model) is model
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    loss1, g1 = grads()
+    loss2, g2 = grads()  # a second compiled step (cached graphs) too
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.allclose(loss0, loss1, atol=1e-5) and torch.allclose(loss1, loss2, atol=1e-6)
+    assert g0.keys() == g1.keys() == g2.keys()
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), (n, (g0[n] - g1[n]).abs().max())
+        assert torch.allclose(g1[n], g2[n], atol=1e-6), n
+
+
+def test_compile_layers_needs_a_converted_model():
+    with pytest.raises(ValueError, match="no decoder layer with a converted attention module"):
+        hf_rfa.compile_layers(tiny_model("llama"))
+    with pytest.raises(ValueError, match="fullgraph must be True or False"):
+        hf_rfa.compile_layers(hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=8)), fullgraph="yes")
+
+
 def test_redraw_callback_with_trainer(tmp_path):
     from datasets import Dataset
 
