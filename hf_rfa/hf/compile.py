@@ -16,6 +16,7 @@ Measured in ``benchmarks/train_step.py --dtypes fp32-compile`` (README, issue 14
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def compile_layers(model: nn.Module, fullgraph: bool = True, **compile_kwargs) -> nn.Module:
+def compile_layers(model: nn.Module, fullgraph: bool = True, **compile_kwargs: Any) -> nn.Module:
     """Compile each decoder layer of a converted ``model`` in place (``layer.compile(fullgraph=...,
     **compile_kwargs)``) and return the model. ValueError when the model has no converted layer
     (call :func:`hf_rfa.convert` first). See the module docstring for ``use_cache=False``."""
