@@ -37,7 +37,7 @@ import torch
 
 from .hybrid import BandPlan, band_plan
 from .partial import Partial, finalize, merge
-from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, param_leaves, with_params
+from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, own_params, param_leaves, with_params
 from .recurrent import LinearState
 from .rotary import unrotate, unrotate_adjoint
 from .scan import ScanSpec, plan_blocks, state_matrix
@@ -317,10 +317,7 @@ class HybridFunction(torch.autograd.Function):
 def _own_params(spec: HybridSpec, params) -> bool:
     """Whether ``params`` are the feature map's own parameter tensors (not substitutes bound by
     ``torch.func.functional_call``)."""
-    if spec.scan is None or not params:
-        return False
-    own = dict(spec.scan.feature_map.named_parameters())
-    return all(own.get(n) is p for n, p in zip(spec.scan.names, params))
+    return spec.scan is not None and bool(params) and own_params(spec.scan.feature_map, spec.scan.names, params)
 
 
 def _backward_params(ctx, spec: HybridSpec, saved) -> list:
@@ -331,10 +328,10 @@ def _backward_params(ctx, spec: HybridSpec, saved) -> list:
     forward's identity check decides). Otherwise leaves of the saved tensors, bound again for the
     recomputation (:func:`~hf_rfa.ops.recompute.with_params`)."""
     if ctx.own_params:
-        own = dict(spec.scan.feature_map.named_parameters())
-        mine = [own.get(n) for n in spec.scan.names]
-        if torch.compiler.is_compiling() or all(m is s for m, s in zip(mine, saved)):
-            return mine
+        fm, names = spec.scan.feature_map, spec.scan.names
+        if torch.compiler.is_compiling() or own_params(fm, names, saved):
+            own = dict(fm.named_parameters())
+            return [own[n] for n in names]
     return param_leaves(saved, ctx.needs_input_grad[_NPOS:])
 
 

@@ -73,6 +73,13 @@ class _Bind(torch.nn.Module):
         return fn()
 
 
+def own_params(feature_map, names: tuple[str, ...], tensors) -> bool:
+    """Whether ``tensors`` are the feature map's own parameters ``names`` (the same objects; not
+    substitutes bound by :func:`torch.func.functional_call`)."""
+    own = dict(feature_map.named_parameters())
+    return all(own.get(n) is t for n, t in zip(names, tensors))
+
+
 def with_params(feature_map, names: tuple[str, ...], tensors, fn):
     """``fn()`` with the feature map's parameters ``names`` bound to ``tensors`` (by
     :func:`torch.func.functional_call`; the map's own parameters are restored afterwards). The
@@ -81,8 +88,7 @@ def with_params(feature_map, names: tuple[str, ...], tensors, fn):
     under ``functional_call`` or after an in-place update)."""
     if not names:
         return fn()
-    own = dict(feature_map.named_parameters())
-    if all(own.get(n) is t for n, t in zip(names, tensors)):  # already bound (forward, outside functional_call):
+    if own_params(feature_map, names, tensors):  # already bound (forward, outside functional_call):
         return fn()  # nothing to rebind — and no module mutation for torch.compile to break its graph on
     return torch.func.functional_call(_Bind(feature_map), {"fm." + n: t for n, t in zip(names, tensors)}, (fn,))
 
