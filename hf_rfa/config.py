@@ -9,7 +9,7 @@ from typing import Any
 from .feature_maps import available_feature_maps
 from .ops.backends import backend_names, check_name
 from .ops.masks import MAX_CHUNK, MAX_SINKS, check_int
-from .ops.memory import MAX_MEMORY
+from .ops.memory import MAX_MEMORY, MEMORY_SCORES
 
 #: inclusive ranges of the integer fields (a config.json can carry any value: absurd ones are
 #: refused before they reach an allocation or a kernel)
@@ -70,6 +70,10 @@ class RFAConfig:
         default="rotated",
         metadata={"help": f"one of {list(FEATURE_INPUTS)}: what the feature part reads in a model with rotary position embeddings (Llama...): 'rotated' the q/k the softmax scores, 'unrotated' q/k before the rotary embedding (position-free features; the exact window and sinks keep the rotated q/k)"},
     )
+    memory_score: str = field(
+        default="value_norm",
+        metadata={"help": f"one of {list(MEMORY_SCORES)} (used with memory > 0): how the exact memory ranks the keys older than the window — 'value_norm' the largest ||v||, 'feature_error' the keys whose value the feature state recalls worst (LoLA-style; needs a feature map other than 'none')"},
+    )
 
     def __post_init__(self) -> None:
         names = available_feature_maps()
@@ -96,6 +100,10 @@ class RFAConfig:
             raise ValueError(f"feature_input must be one of {list(FEATURE_INPUTS)}, got {self.feature_input!r}")
         if self.feature_input == "unrotated" and self.memory > 0:
             raise ValueError("feature_input='unrotated' does not combine with memory > 0 (the exact memory's feature state reads the rotated keys); use memory=0 or feature_input='rotated'")
+        if self.memory_score not in MEMORY_SCORES:
+            raise ValueError(f"memory_score must be one of {list(MEMORY_SCORES)}, got {self.memory_score!r}")
+        if self.memory_score == "feature_error" and self.feature_map == "none":
+            raise ValueError("memory_score='feature_error' needs a feature state to score keys against; feature_map='none' has none (use memory_score='value_norm')")
         if self.gate and self.feature_map != "rfa":
             raise ValueError(f"gate=True needs feature_map='rfa', got feature_map={self.feature_map!r}")
         if self.layers is not None:

@@ -39,7 +39,7 @@ class RFAAttention(nn.Module):
     def __init__(
         self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
         checkpoint_blocks: bool = True, backend: str = "auto", memory: int = 0, memory_every: int = 64,
-        feature_input: str = "rotated",
+        feature_input: str = "rotated", memory_score: str = "value_norm",
     ) -> None:
         super().__init__()
         self.feature_map = feature_map
@@ -52,6 +52,7 @@ class RFAAttention(nn.Module):
         self.memory = int(memory)
         self.memory_every = int(memory_every)
         self.feature_input = feature_input
+        self.memory_score = memory_score
 
     def forward(
         self,
@@ -82,11 +83,11 @@ class RFAAttention(nn.Module):
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
             checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
-            memory=self.memory, memory_every=self.memory_every, feature_rope=rope,
+            memory=self.memory, memory_every=self.memory_every, memory_score=self.memory_score, feature_rope=rope,
         )
 
     def extra_repr(self) -> str:
-        mem = f", memory={self.memory}, memory_every={self.memory_every}" if self.memory else ""
+        mem = f", memory={self.memory}, memory_every={self.memory_every}, memory_score={self.memory_score}" if self.memory else ""
         fin = ", feature_input=unrotated" if self.feature_input == "unrotated" else ""
         return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}{mem}{fin}"
 

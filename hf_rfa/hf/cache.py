@@ -238,6 +238,7 @@ class RFACacheLayer(CacheLayerMixin):
             out, self.state = continue_memory_attention(
                 self.state, query, key, value, fm, attention_mask, window=rfa.window, sinks=rfa.sinks,
                 memory=memory, memory_every=rfa.memory_every, scale=scale, chunk_size=rfa.chunk_size,
+                memory_score=getattr(rfa, "memory_score", "value_norm"),
             )
             self._pending = False
             return out

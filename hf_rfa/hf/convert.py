@@ -129,7 +129,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     if config.decay > 0:
         fm.enable_decay(config.decay)
     return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend,
-                        memory=config.memory, memory_every=config.memory_every, feature_input=config.feature_input)
+                        memory=config.memory, memory_every=config.memory_every, feature_input=config.feature_input, memory_score=config.memory_score)
 
 
 def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any) -> nn.Module:

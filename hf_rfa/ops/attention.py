@@ -46,6 +46,7 @@ def random_feature_attention(
     backend: str = "auto",
     memory: int = 0,
     memory_every: int = 64,
+    memory_score: str = "value_norm",
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
     feature_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -78,6 +79,9 @@ def random_feature_attention(
         memory, memory_every: causal only: at most ``memory`` older keys per kv head answered
             exactly, re-chosen at multiples of ``memory_every`` (:mod:`hf_rfa.ops.memory`, which
             runs its own PyTorch form whatever the backend). 0: off.
+        memory_score: how the memory ranks candidate keys, ``"value_norm"`` (largest ‖v‖) or
+            ``"feature_error"`` (worst recalled by the feature state, LoLA-style; not with
+            ``feature_map="none"``) — :data:`hf_rfa.ops.memory.MEMORY_SCORES`.
         feature_q, feature_k: what the feature part reads instead of q and k (shapes of q and k),
             e.g. the queries/keys before the rotary embedding (``RFAConfig(feature_input=
             "unrotated")``): the exact window and sinks still score q·k; the feature part scores
@@ -106,7 +110,7 @@ def random_feature_attention(
     window, sinks = check_int("window", window), check_int("sinks", sinks, 0, MAX_SINKS)
     check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
     scale = check_scale(scale)
-    memory, memory_every = check_memory_args(memory, memory_every, causal, feature_map)
+    memory, memory_every = check_memory_args(memory, memory_every, causal, feature_map, memory_score)
     if not causal and window > 0 and nq != nk:
         raise ValueError(f"a bidirectional window needs Nq == Nk, got Nq={nq}, Nk={nk}")
     null = getattr(feature_map, "null", False)
@@ -134,7 +138,7 @@ def random_feature_attention(
     if feature_q is not None:  # a non-finite feature input is poisoned like its q/k (rows NaN below)
         feature_q, feature_k, poison = guard_feature_inputs(feature_q, feature_k, km, causal, poison)
     if memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
-        out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native")
+        out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native", memory_score)
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
         out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k, feature_rope)

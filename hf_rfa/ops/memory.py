@@ -35,6 +35,13 @@ State bound per (batch row, kv head): M memory keys/values (+ position, norm, fl
 ``W + E`` buffered keys/values (the window and the pending keys), S sinks and the ``F × Dv``
 feature state — independent of the context length (:meth:`MemoryState.nbytes`).
 
+Scores (``memory_score``, :data:`MEMORY_SCORES`): ``"value_norm"`` (above, the default) or
+``"feature_error"`` — the error with which the feature state recalls the key's value when the key
+is the query, measured once, against the state at the key's first refresh (before that refresh's
+keys are folded; :func:`feature_error`), as LoLA (arXiv 2505.23666) caches the keys the linear
+state represents worst. A key's score never changes after its first refresh, so "a key not chosen
+at its first refresh never will be" holds for both (twin: ``reference.memory_membership``).
+
 Scope: causal only; not with gated maps (a decayed state cannot take a key in at a later fold
 time with the weight the full form gives); refresh positions are absolute positions (padding
 included), like the window, so a left-padded row refreshes at other token counts than the same
@@ -77,14 +84,47 @@ def value_norm(v: torch.Tensor) -> torch.Tensor:
     return (torch.round(torch.log2(n) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
 
 
-def check_memory_args(memory, memory_every, causal: bool, feature_map) -> tuple[int, int]:
-    """``(memory, memory_every)`` checked (ValueError naming the argument)."""
+def _round_log2(x: torch.Tensor) -> torch.Tensor:
+    """``log2 x`` of non-negative float64 ``x`` rounded to a multiple of ``2**-SCORE_BITS``, float32."""
+    return (torch.round(torch.log2(x.clamp_min(1e-30)) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
+
+
+def feature_error(linear: LinearState, feature_map, xk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The ``"feature_error"`` selection score of new candidate keys: how badly the feature state
+    recalls each key's value when the key itself is the query (LoLA, arXiv 2505.23666, caches the
+    keys the linear state represents worst): ``log2 ‖v − φ(k)ᵀS / φ(k)ᵀz‖``, rounded like
+    :func:`value_norm`; where the state is empty (``φ(k)ᵀz = 0``) the prediction is 0 and the
+    score is :func:`value_norm`'s.
+
+    linear: the feature state before the keys are folded (``S [B, Hkv, F, Dv]``); xk ``[B, Hkv,
+    K, D]`` keys scaled by √scale (compute dtype), v ``[B, Hkv, K, Dv]`` → ``[B, Hkv, K]`` float32
+    (detached)."""
+    with torch.no_grad():
+        b, hkv, kk, _ = xk.shape
+        f = feature_map.forward_queries(xk.detach())
+        lq = f.log_scale.view(b, hkv, 1, kk) if f.log_scale is not None else None
+        part = read(linear, f.phi.view(b, hkv, 1, kk, -1), lq)
+        num, den = part.num.view(b, hkv, kk, -1).double(), part.den.view(b, hkv, kk).double()
+        pred = torch.where((den > 0).unsqueeze(-1), num / den.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(num))
+        return _round_log2(torch.linalg.vector_norm(v.detach().double() - pred, dim=-1))
+
+
+#: how the exact memory ranks its candidates (``memory_score``): the largest score is kept
+MEMORY_SCORES = ("value_norm", "feature_error")
+
+
+def check_memory_args(memory, memory_every, causal: bool, feature_map, memory_score: str = "value_norm") -> tuple[int, int]:
+    """``(memory, memory_every)`` checked with ``memory_score`` (ValueError naming the argument)."""
     memory = check_int("memory", memory, 0, MAX_MEMORY)
     memory_every = check_int("memory_every", memory_every, 1, MAX_CHUNK)
+    if memory_score not in MEMORY_SCORES:
+        raise ValueError(f"memory_score must be one of {list(MEMORY_SCORES)}, got {memory_score!r}")
     if memory > 0 and not causal:
         raise ValueError("memory > 0 needs causal attention: the exact memory is chosen over the past (use memory=0 for bidirectional layers)")
     if memory > 0 and getattr(feature_map, "has_gate", False):
         raise ValueError("memory > 0 does not support gated feature maps (gate=True)")
+    if memory > 0 and memory_score == "feature_error" and getattr(feature_map, "null", False):
+        raise ValueError("memory_score='feature_error' needs a feature state to score keys against; feature_map='none' has none (use memory_score='value_norm')")
     return memory, memory_every
 
 
@@ -234,10 +274,11 @@ def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
     return f.phi.reshape(b, hkv, h // hkv, c, -1), (f.log_scale.reshape(b, hkv, h // hkv, c) if f.log_scale is not None else None)
 
 
-def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False) -> tuple[torch.Tensor, MemoryState]:
+def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm") -> tuple[torch.Tensor, MemoryState]:
     """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
     bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state).
-    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule)."""
+    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule);
+    ``memory_score``: how candidates are ranked (:data:`MEMORY_SCORES`)."""
     base = state.base
     b, h, n, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -258,7 +299,8 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     xq = q.to(ct) * root
     xk = lk_raw.to(ct) * root
     vv = lv_raw.to(ct)
-    norms = value_norm(lv_raw).to(ct)  # [B,Hkv,L]
+    by_error = memory_score == "feature_error"
+    norms = None if by_error else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
     xqg = xq.reshape(b, hkv, g, n, d)
 
     exact = None
@@ -285,7 +327,8 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             cand = {
                 "k": lk_raw[:, :, lo:hi], "v": lv_raw[:, :, lo:hi],
                 "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),
-                "norm": norms[:, :, lo:hi], "ok": feat[:, None, lo:hi].expand(b, hkv, hi - lo),
+                "norm": feature_error(linear, feature_map, xk[:, :, lo:hi], vv[:, :, lo:hi]).to(ct) if by_error else norms[:, :, lo:hi],
+                "ok": feat[:, None, lo:hi].expand(b, hkv, hi - lo),
             }
             folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in ("k", "v")}
             mem, out_mask = _select(mem, cand, memory)
@@ -349,10 +392,12 @@ def memory_attention(
     scale: float,
     chunk_size: int = 64,
     native_band: bool = False,
+    memory_score: str = "value_norm",
 ) -> torch.Tensor:
     """Causal hybrid attention with an exact memory over a whole sequence (the prefill form;
     ``random_feature_attention(memory=M)`` calls it on checked, finite inputs; ``native_band``:
-    the exact window/sink part runs the compiled CPU kernel, as the op without memory does).
+    the exact window/sink part runs the compiled CPU kernel, as the op without memory does;
+    ``memory_score``: how the memory ranks its candidates, :data:`MEMORY_SCORES`).
 
     q ``[B, H, Nq, D]`` (the last Nq of the Nk positions), k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk,
     Dv]``, key_mask ``[B, Nk]`` bool or None → ``[B, H, Nq, Dv]`` in q's dtype.
@@ -364,11 +409,11 @@ def memory_attention(
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct)
-    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band)
+    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score)
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
 
 
-def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size):
+def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score="value_norm"):
     """Arguments of :func:`continue_memory_attention` against each other and the state
     (ValueError naming the argument); returns ``(B, H, n, D, Hkv, Dv)``."""
     if not isinstance(state, MemoryState):
@@ -380,7 +425,7 @@ def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, m
     check_int("window", window)
     check_int("sinks", sinks, 0, MAX_SINKS)
     check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
-    check_memory_args(memory, memory_every, True, feature_map)
+    check_memory_args(memory, memory_every, True, feature_map, memory_score)
     check_scale(scale)
     if memory < 1:
         raise ValueError(f"memory must be >= 1 for a MemoryState (memory=0: ops.decode.continue_attention), got {memory}")
@@ -418,6 +463,7 @@ def continue_memory_attention(
     memory_every: int = 64,
     scale: float | None = None,
     chunk_size: int = 64,
+    memory_score: str = "value_norm",
 ) -> tuple[torch.Tensor, MemoryState]:
     """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
     :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
@@ -428,17 +474,17 @@ def continue_memory_attention(
     ``(out [B, H, n, Dv]`` in q's dtype, new state). Any split of a sequence into calls gives the
     outputs of one :func:`memory_attention` over it (up to float rounding).
     """
-    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size)
+    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score)
     if b == 0 or n == 0:
         return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
     scale = d**-0.5 if scale is None else float(scale)
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
-    out, new = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size)
+    out, new = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score)
     new = replace(new, base=replace(new.base, nonfinite=nonfinite))
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return to_output_dtype(out, q.dtype), new
 
 
-__all__ = ["MAX_MEMORY", "MemoryState", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
+__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .masks import NEG, check_feature_inputs, key_mask_bool, no_autocast, sink_mask, validate_qkv
-from .memory import value_norm
+from .memory import _round_log2, value_norm
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap
@@ -85,6 +85,7 @@ def quadratic_kernel_attention(
     memory_every: int = 64,
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
+    memory_score: str = "value_norm",
 ) -> torch.Tensor:
     """The quadratic twin of :func:`hf_rfa.random_feature_attention`.
 
@@ -94,7 +95,8 @@ def quadratic_kernel_attention(
     (floored at ``feature_map.eps`` relative to the row's log-offset). Returns ``[B, H, Nq, Dv]``.
 
     ``memory > 0`` (causal only): the keys of :func:`memory_membership` are exact too (and so not
-    in the feature part).
+    in the feature part); ``memory_score="feature_error"`` ranks them by
+    :func:`feature_error_scores`.
 
     ``feature_q``/``feature_k`` (shapes of q/k, or None): what φ reads instead of q and k.
     """
@@ -137,7 +139,8 @@ def quadratic_kernel_attention(
     if memory > 0:
         if not causal:
             raise ValueError("memory > 0 needs causal attention (the exact memory is chosen over the past)")
-        exact = exact | _expand_kv(memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq), g)
+        scores_m = feature_error_scores(ks, v, feature_map, attention_mask, window, sinks, memory, memory_every) if memory_score == "feature_error" else None
+        exact = exact | _expand_kv(memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq, scores_m), g)
     exact = exact & visible
     feat = visible & ~exact & (not null)
     scores = (qs @ _expand_kv(ks, g).transpose(-1, -2))
@@ -158,6 +161,7 @@ def memory_membership(
     memory: int,
     memory_every: int,
     nq: int | None = None,
+    scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which keys each causal query answers from the exact memory: ``[B, Hkv, Nq, Nk]`` bool.
 
@@ -166,6 +170,7 @@ def memory_membership(
     memory_every``: the ``memory`` keys with the largest ``‖v‖`` (ties: the older key) among the
     keys ``s ≤ r − window`` that are real (``attention_mask``) and not sinks — the keys older than
     the window of query r. v ``[B, Hkv, Nk, Dv]``. Chosen from scratch for every r.
+    ``scores`` ``[B, Hkv, Nk]``: rank by these instead of ``‖v‖`` (:func:`feature_error_scores`).
     """
     b, hkv, nk, _ = v.shape
     nq = nk if nq is None else nq
@@ -174,7 +179,7 @@ def memory_membership(
     eligible = torch.ones(b, nk, dtype=torch.bool, device=dev) if km is None else km.clone()
     if sinks > 0:
         eligible &= ~sink_mask(km, b, nk, sinks, dev)
-    norm = value_norm(v)  # [B,Hkv,Nk]
+    norm = value_norm(v) if scores is None else scores  # [B,Hkv,Nk]
     s = torch.arange(nk, device=dev)
     out = torch.zeros(b, hkv, nq, nk, dtype=torch.bool, device=dev)
     t = torch.arange(nk - nq, nk, device=dev)
@@ -188,3 +193,62 @@ def memory_membership(
         rows = refresh == r
         out[:, :, rows] = chosen.unsqueeze(2).expand(b, hkv, int(rows.sum()), nk)
     return out
+
+
+def feature_error_scores(
+    ks: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    attention_mask: torch.Tensor | None,
+    window: int,
+    sinks: int,
+    memory: int,
+    memory_every: int,
+) -> torch.Tensor:
+    """The ``memory_score="feature_error"`` score of every key, by its definition: ``[B, Hkv, Nk]``.
+
+    Key s (real, not a sink) is first a memory candidate at its first refresh r_s (the smallest
+    multiple of ``memory_every`` ≥ s + W). Its score is ``log2 ‖v_s − v̂_s‖`` (rounded like
+    ``value_norm``), v̂_s the feature part's answer to the query k_s over the keys folded before
+    r_s: every eligible key s' ≤ r_s − E − W that is not in the memory chosen at r_s − E (a
+    weighted mean of their values with weights φ(k_s)·φ(k_s') — 0 when there are none). Computed
+    here from scratch with explicit sums, refresh by refresh, the memory re-chosen by
+    :func:`memory_membership`'s rule; the fast path (:func:`hf_rfa.ops.memory.feature_error`)
+    keeps the state incrementally. ks ``[B, Hkv, Nk, D]`` keys scaled by √scale, v ``[B, Hkv, Nk, Dv]``.
+    Keys that are not eligible or have no refresh before Nk score −inf."""
+
+    b, hkv, nk, _ = ks.shape
+    dev, e = ks.device, memory_every
+    km = key_mask_bool(attention_mask, b, nk, dev)
+    eligible = torch.ones(b, nk, dtype=torch.bool, device=dev) if km is None else km.clone()
+    if sinks > 0:
+        eligible &= ~sink_mask(km, b, nk, sinks, dev)
+    eligible = eligible.view(b, 1, nk).expand(b, hkv, nk)
+    pos = torch.arange(nk, device=dev)
+    first = -(-(pos + window) // e) * e  # r_s
+    with torch.no_grad():
+        fq, fk = feature_map.forward_queries(ks.detach()), feature_map.forward_keys(ks.detach())
+        lk = fk.log_scale if fk.log_scale is not None else torch.zeros(fk.phi.shape[:-1], dtype=ks.dtype, device=dev)
+        dot = (fq.phi.double() @ fk.phi.double().transpose(-1, -2)) * torch.exp(lk.double() - lk.double().amax(-1, keepdim=True)).unsqueeze(-2)  # [B,Hkv,Nk(query key),Nk]
+        vd = v.detach().double()
+        score = torch.full((b, hkv, nk), float("-inf"), dtype=torch.float32, device=dev)
+        for r in range(0, nk, e):  # the refreshes some query uses
+            new = eligible & (first == r).view(1, 1, nk)
+            if not new.any():
+                continue
+            prev = r - e
+            cand_prev = eligible & (pos <= prev - window).view(1, 1, nk)
+            if prev >= 0 and cand_prev.any():
+                key = torch.where(cand_prev, score, torch.full_like(score, float("-inf")))
+                order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+                rank = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
+                folded = cand_prev & ~(rank < memory)
+            else:
+                folded = torch.zeros_like(eligible)
+            w = dot * folded.unsqueeze(-2)  # [B,Hkv,Nk,Nk]: row s, column s'
+            num, den = w @ vd, w.sum(-1)
+            pred = torch.where((den > 0).unsqueeze(-1), num / den.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(num))
+            err = _round_log2(torch.linalg.vector_norm(vd - pred, dim=-1))
+            score = torch.where(new, err, score)
+    return score
+

@@ -14,6 +14,7 @@ SETTINGS = {
     "none": dict(feature_map="none", window=4, sinks=2, memory=3, memory_every=4),
     "favor+": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8),
     "hedgehog": dict(feature_map="hedgehog", num_features=16, window=3, sinks=0, memory=2, memory_every=5, chunk_size=4),
+    "favor+feature_error": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8, memory_score="feature_error"),
 }
 
 
@@ -61,6 +62,18 @@ def test_generate_matches_recompute_and_save_load(tmp_path):
         again = hf_rfa.from_pretrained(str(tmp_path), type(model))
         assert again.model.layers[0].self_attn.rfa.memory == 3
         assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+def test_memory_score_survives_save_load(tmp_path):
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**SETTINGS["favor+feature_error"]))
+    ids, mask = _batch(n=30, pad=3)
+    model.save_pretrained(tmp_path)
+    again = hf_rfa.from_pretrained(str(tmp_path), type(model))
+    assert again.model.layers[0].self_attn.rfa.memory_score == "feature_error"
+    with torch.no_grad():
+        assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+        by_norm = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**{**SETTINGS["favor+feature_error"], "memory_score": "value_norm"}))
+        assert not torch.equal(by_norm(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
 
 
 def test_bidirectional_model_with_memory_is_refused():

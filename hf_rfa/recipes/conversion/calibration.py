@@ -190,7 +190,8 @@ def rfa_output(rfa: nn.Module, cap: Captured, checkpoint_blocks: bool | None = N
         cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask, window=rfa.window,
         sinks=rfa.sinks, scale=cap.scale, chunk_size=rfa.chunk_size, backend=backend,
         checkpoint_blocks=rfa.checkpoint_blocks if checkpoint_blocks is None else checkpoint_blocks,
-        memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64), feature_q=fq, feature_k=fk,
+        memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64),
+        memory_score=getattr(rfa, "memory_score", "value_norm"), feature_q=fq, feature_k=fk,
     )
 
 

@@ -99,7 +99,7 @@ def transfer_output(rfa: nn.Module, cap: Captured, twin_max_keys: int = TWIN_MAX
             cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask,
             window=rfa.window, sinks=rfa.sinks, scale=cap.scale,
             memory=getattr(rfa, "memory", 0), memory_every=getattr(rfa, "memory_every", 64),
-            feature_q=fq, feature_k=fk,
+            memory_score=getattr(rfa, "memory_score", "value_norm"), feature_q=fq, feature_k=fk,
         )
     return rfa_output(rfa, cap, checkpoint_blocks=False)
 
