@@ -98,8 +98,6 @@ class RFAConfig:
                 raise ValueError(f"decay > 0 does not combine with {', '.join(clash)} (gate=True is already a decay; the memory needs an undecayed state; 'none' has no feature state); use decay=0")
         if self.feature_input not in FEATURE_INPUTS:
             raise ValueError(f"feature_input must be one of {list(FEATURE_INPUTS)}, got {self.feature_input!r}")
-        if self.feature_input == "unrotated" and self.memory > 0:
-            raise ValueError("feature_input='unrotated' does not combine with memory > 0 (the exact memory's feature state reads the rotated keys); use memory=0 or feature_input='rotated'")
         if self.memory_score not in MEMORY_SCORES:
             raise ValueError(f"memory_score must be one of {list(MEMORY_SCORES)}, got {self.memory_score!r}")
         if self.memory_score == "feature_error" and self.feature_map == "none":

@@ -209,6 +209,8 @@ class RFACacheLayer(CacheLayerMixin):
         layer keeps the rotated window only and un-rotates its local block with the cache's shared
         :class:`RopeRing` (what ``RFAAttention`` passes). Or ``feature_q`` with ``feature_k``
         (any feature keys): the state then keeps a copy of the window's (``DecodeState.win_kf``).
+        With an exact memory (``memory > 0``) the new keys are un-rotated with ``rope`` at once and
+        the state keeps the feature keys of its buffer and memory (``MemoryState.mem_kf``).
         """
         if not causal:
             raise ValueError("RFACache holds the state of causal attention; this layer is bidirectional (is_causal=False)")
@@ -217,13 +219,14 @@ class RFACacheLayer(CacheLayerMixin):
         memory = getattr(rfa, "memory", 0)
         if rope is not None and (feature_k is not None or feature_q is None):
             raise ValueError("rope (cos, sin) goes with feature_q and without feature_k (the feature keys are un-rotated from the kept keys)")
-        if memory > 0 and (feature_q is not None or feature_k is not None):
-            raise ValueError("feature_q/feature_k do not combine with memory > 0 (exact global memory)")
         if self.state is None:
             b, hkv, _, d = key.shape
             ct = torch.float64 if query.dtype == torch.float64 else torch.float32
             if memory > 0:  # exact global memory: its own state (ops.memory), at most `memory` keys per kv head
-                self.state = MemoryState.empty(b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, memory, key.dtype, key.device, compute_dtype=ct)
+                self.state = MemoryState.empty(
+                    b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, memory, key.dtype, key.device, compute_dtype=ct,
+                    feature_keys=feature_q is not None,  # un-rotated keys of the buffer and the memory
+                )
             else:
                 self.state = DecodeState.empty(
                     b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, key.dtype, key.device, compute_dtype=ct,
@@ -235,10 +238,12 @@ class RFACacheLayer(CacheLayerMixin):
                 f"update counted {self.cumulative_length}"
             )
         if memory > 0:
+            if rope is not None:  # the new keys un-rotated with their own (cos, sin)
+                feature_k = unrotate(key, *rope)
             out, self.state = continue_memory_attention(
                 self.state, query, key, value, fm, attention_mask, window=rfa.window, sinks=rfa.sinks,
                 memory=memory, memory_every=rfa.memory_every, scale=scale, chunk_size=rfa.chunk_size,
-                memory_score=getattr(rfa, "memory_score", "value_norm"),
+                memory_score=getattr(rfa, "memory_score", "value_norm"), feature_q=feature_q, feature_k=feature_k,
             )
             self._pending = False
             return out

@@ -85,11 +85,11 @@ def random_feature_attention(
         feature_q, feature_k: what the feature part reads instead of q and k (shapes of q and k),
             e.g. the queries/keys before the rotary embedding (``RFAConfig(feature_input=
             "unrotated")``): the exact window and sinks still score q·k; the feature part scores
-            φ(feature_q)·φ(feature_k). Both or neither; not with ``memory > 0``. None: q and k.
+            φ(feature_q)·φ(feature_k). Both or neither. None: q and k. With ``memory > 0`` the
+            memory is exact on q·k and only its folded / pending keys read feature_k.
         feature_rope: ``(cos, sin)`` ``[B or 1, N, Dr]`` (Nq == Nk == N): the feature part reads q
             and k with this rotary embedding undone (:func:`hf_rfa.ops.rotary.unrotate`), i.e.
-            ``feature_q = unrotate(q, cos, sin)`` and likewise for k — not with feature_q/feature_k
-            or ``memory > 0``. Same result as passing those; in training with
+            ``feature_q = unrotate(q, cos, sin)`` and likewise for k — not with feature_q/feature_k. Same result as passing those; in training with
             ``checkpoint_blocks`` a causal hybrid un-rotates block by block in forward and
             backward and keeps nothing un-rotated (the memory of two more q/k per layer).
 
@@ -116,13 +116,14 @@ def random_feature_attention(
     null = getattr(feature_map, "null", False)
     if null and window == 0 and sinks == 0:
         raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
-    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k, memory)
+    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
     if feature_rope is not None:
         if feature_q is not None:
             raise ValueError("give either feature_q/feature_k or feature_rope, not both")
-        if memory > 0:
-            raise ValueError("feature_rope (feature_input='unrotated') does not combine with memory > 0; use memory=0")
         feature_rope = check_rope(feature_rope, q, k)
+        if memory > 0:  # the memory's form un-rotates once, up front
+            feature_q, feature_k = unrotate(q, *feature_rope), unrotate(k, *feature_rope)
+            feature_rope = None
     km = key_mask_bool(attention_mask, b, nk, q.device)
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
@@ -138,7 +139,7 @@ def random_feature_attention(
     if feature_q is not None:  # a non-finite feature input is poisoned like its q/k (rows NaN below)
         feature_q, feature_k, poison = guard_feature_inputs(feature_q, feature_k, km, causal, poison)
     if memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
-        out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native", memory_score)
+        out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native", memory_score, feature_q, feature_k)
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
         out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k, feature_rope)

@@ -250,7 +250,7 @@ def check_feature_map(feature_map, head_dim: int) -> None:
         raise ValueError(f"feature map head_dim={feature_map.head_dim} does not match q/k head dim D={head_dim}")
 
 
-def check_feature_inputs(q, k, feature_q, feature_k, memory: int = 0):
+def check_feature_inputs(q, k, feature_q, feature_k):
     """``feature_q``/``feature_k`` checked against q ``[B, H, Nq, D]`` and k ``[B, Hkv, Nk, D]``
     (ValueError naming the bad one); returns them (both None: the feature part reads q and k)."""
     if (feature_q is None) != (feature_k is None):
@@ -262,6 +262,4 @@ def check_feature_inputs(q, k, feature_q, feature_k, memory: int = 0):
             raise ValueError(f"{name} must have the shape of {name[-1]} {tuple(ref.shape)}, got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
         if not x.is_floating_point() or x.device != ref.device:
             raise ValueError(f"{name} must be a floating tensor on {ref.device}, got {x.dtype} on {x.device}")
-    if memory > 0:
-        raise ValueError("feature_q/feature_k (feature_input='unrotated') do not combine with memory > 0; use memory=0")
     return feature_q, feature_k

@@ -59,7 +59,7 @@ import torch
 from .backends import native
 from .decode import DecodeState, _exact_part, _join_sinks
 from .hybrid import exact_local
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
 
@@ -91,8 +91,9 @@ def _round_log2(x: torch.Tensor) -> torch.Tensor:
 
 def feature_error(linear: LinearState, feature_map, xk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The ``"feature_error"`` selection score of new candidate keys: how badly the feature state
-    recalls each key's value when the key itself is the query (LoLA, arXiv 2505.23666, caches the
-    keys the linear state represents worst): ``log2 ‖v − φ(k)ᵀS / φ(k)ᵀz‖``, rounded like
+    recalls each key's value when the key itself is the query — its key-side features φ_k(k) read
+    the state (LoLA, arXiv 2505.23666, caches the keys the linear state represents worst):
+    ``log2 ‖v − φ_k(k)ᵀS / φ_k(k)ᵀz‖``, rounded like
     :func:`value_norm`; where the state is empty (``φ(k)ᵀz = 0``) the prediction is 0 and the
     score is :func:`value_norm`'s.
 
@@ -101,7 +102,7 @@ def feature_error(linear: LinearState, feature_map, xk: torch.Tensor, v: torch.T
     (detached)."""
     with torch.no_grad():
         b, hkv, kk, _ = xk.shape
-        f = feature_map.forward_queries(xk.detach())
+        f = feature_map.forward_keys(xk.detach())  # key-side features (maps may have per-query-head parameters)
         lq = f.log_scale.view(b, hkv, 1, kk) if f.log_scale is not None else None
         part = read(linear, f.phi.view(b, hkv, 1, kk, -1), lq)
         num, den = part.num.view(b, hkv, kk, -1).double(), part.den.view(b, hkv, kk).double()
@@ -139,6 +140,9 @@ class MemoryState:
     mem_pos:  ``[B, Hkv, M]`` long, their positions; ``mem_norm [B, Hkv, M]`` their score
               (:func:`value_norm`).
     mem_ok:   ``[B, Hkv, M]`` bool, the slot holds a key.
+    mem_kf:   ``[B, Hkv, M, D]`` the memory keys as the feature part reads them (feature inputs,
+              e.g. un-rotated; needed when a displaced memory key is folded), or None (the feature
+              part reads the keys themselves); the base then keeps ``win_kf`` for the buffer.
     """
 
     base: DecodeState
@@ -147,6 +151,7 @@ class MemoryState:
     mem_pos: torch.Tensor
     mem_norm: torch.Tensor
     mem_ok: torch.Tensor
+    mem_kf: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -161,10 +166,13 @@ class MemoryState:
         dtype: torch.dtype,
         device=None,
         compute_dtype: torch.dtype = torch.float32,
+        feature_keys: bool = False,
     ) -> "MemoryState":
-        """State before the first token (``memory`` empty slots)."""
+        """State before the first token (``memory`` empty slots). ``feature_keys``: the calls
+        give ``feature_q``/``feature_k`` (the feature part's own inputs), kept for the buffer and
+        the memory."""
         b, h, m = batch, kv_heads, memory
-        base = DecodeState.empty(b, h, head_dim, value_dim, feature_dim, sinks, dtype, device, compute_dtype)
+        base = DecodeState.empty(b, h, head_dim, value_dim, feature_dim, sinks, dtype, device, compute_dtype, feature_keys=feature_keys)
         return cls(
             base=base,
             mem_k=torch.zeros(b, h, m, head_dim, dtype=dtype, device=device),
@@ -172,6 +180,7 @@ class MemoryState:
             mem_pos=torch.zeros(b, h, m, dtype=torch.long, device=device),
             mem_norm=torch.zeros(b, h, m, dtype=compute_dtype, device=device),
             mem_ok=torch.zeros(b, h, m, dtype=torch.bool, device=device),
+            mem_kf=torch.zeros(b, h, m, head_dim, dtype=dtype, device=device) if feature_keys else None,
         )
 
     @property
@@ -183,7 +192,7 @@ class MemoryState:
         return self.mem_k.shape[2]
 
     def _own(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "base"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "base" and getattr(self, f.name) is not None}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the state by name (the base's under their own names)."""
@@ -274,11 +283,12 @@ def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
     return f.phi.reshape(b, hkv, h // hkv, c, -1), (f.log_scale.reshape(b, hkv, h // hkv, c) if f.log_scale is not None else None)
 
 
-def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm") -> tuple[torch.Tensor, MemoryState]:
+def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
     """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
     bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state).
     ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule);
-    ``memory_score``: how candidates are ranked (:data:`MEMORY_SCORES`)."""
+    ``memory_score``: how candidates are ranked (:data:`MEMORY_SCORES`); ``fq``/``fk`` (shapes of
+    q/k, or None): what the feature part reads (the state keeps them: ``MemoryState.mem_kf``)."""
     base = state.base
     b, h, n, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
@@ -299,6 +309,9 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     xq = q.to(ct) * root
     xk = lk_raw.to(ct) * root
     vv = lv_raw.to(ct)
+    lkf_raw = torch.cat([base.win_kf, fk.to(base.win_kf.dtype)], dim=2) if fk is not None else None
+    xqf = fq.to(ct) * root if fq is not None else xq  # the feature part's queries and keys
+    xkf = lkf_raw.to(ct) * root if fk is not None else xk
     by_error = memory_score == "feature_error"
     norms = None if by_error else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
     xqg = xq.reshape(b, hkv, g, n, d)
@@ -316,6 +329,8 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
 
     mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
+    if fk is not None:
+        mem["kf"] = state.mem_kf
     linear = base.linear
     lo = 0  # local index of the oldest key that is not yet a candidate (the buffer's start)
     parts: list[Partial] = []
@@ -327,13 +342,16 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             cand = {
                 "k": lk_raw[:, :, lo:hi], "v": lv_raw[:, :, lo:hi],
                 "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),
-                "norm": feature_error(linear, feature_map, xk[:, :, lo:hi], vv[:, :, lo:hi]).to(ct) if by_error else norms[:, :, lo:hi],
+                "norm": feature_error(linear, feature_map, xkf[:, :, lo:hi], vv[:, :, lo:hi]).to(ct) if by_error else norms[:, :, lo:hi],
                 "ok": feat[:, None, lo:hi].expand(b, hkv, hi - lo),
             }
-            folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in ("k", "v")}
+            if fk is not None:
+                cand["kf"] = lkf_raw[:, :, lo:hi]
+            fname = "kf" if fk is not None else "k"
+            folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in (fname, "v")}
             mem, out_mask = _select(mem, cand, memory)
             if not null:  # the keys not chosen enter the feature state for good
-                kf, lkf = _features(feature_map, folded["k"].to(ct) * root, False, hkv)
+                kf, lkf = _features(feature_map, folded[fname].to(ct) * root, False, hkv)
                 kf = kf * out_mask.unsqueeze(-1)
                 if lkf is not None:
                     lkf = torch.where(out_mask, lkf, torch.full_like(lkf, NEG))
@@ -345,11 +363,11 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             qi = slice(c0 - p0, c1 - p0)
             part = _memory_part(xqg[:, :, :, qi], mk, mv, mem["ok"])
             if not null:
-                qf, lq = _features(feature_map, xq[:, :, qi], True, hkv)
+                qf, lq = _features(feature_map, xqf[:, :, qi], True, hkv)
                 part = merge(part, read(linear, qf, lq))
                 top = c1 - window - pos0  # pending keys of this chunk: local [lo, top), s <= t − W
                 if top > lo:
-                    kf, lkf = _features(feature_map, xk[:, :, lo:top], False, hkv)
+                    kf, lkf = _features(feature_map, xkf[:, :, lo:top], False, hkv)
                     t = torch.arange(c0, c1, device=dev).view(-1, 1)
                     s = torch.arange(pos0 + lo, pos0 + top, device=dev).view(1, -1)
                     vis = (s <= t - window).unsqueeze(0) & feat[:, None, lo:top]  # [B,C,P]
@@ -365,6 +383,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         linear=linear,
         win_k=lk_raw[:, :, lo:],
         win_v=lv_raw[:, :, lo:],
+        win_kf=lkf_raw[:, :, lo:] if lkf_raw is not None else None,
         win_real=real[:, lo:],
         win_feat=feat[:, lo:],
         win_decay=base.win_decay,
@@ -376,7 +395,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         nonfinite=base.nonfinite,
         seen=p0 + n,
     )
-    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"])
+    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem.get("kf"))
 
 
 def memory_attention(
@@ -393,11 +412,14 @@ def memory_attention(
     chunk_size: int = 64,
     native_band: bool = False,
     memory_score: str = "value_norm",
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal hybrid attention with an exact memory over a whole sequence (the prefill form;
     ``random_feature_attention(memory=M)`` calls it on checked, finite inputs; ``native_band``:
     the exact window/sink part runs the compiled CPU kernel, as the op without memory does;
-    ``memory_score``: how the memory ranks its candidates, :data:`MEMORY_SCORES`).
+    ``memory_score``: how the memory ranks its candidates, :data:`MEMORY_SCORES`;
+    ``feature_q``/``feature_k``: what the feature part reads, shapes of q/k, e.g. un-rotated).
 
     q ``[B, H, Nq, D]`` (the last Nq of the Nk positions), k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk,
     Dv]``, key_mask ``[B, Nk]`` bool or None → ``[B, H, Nq, Dv]`` in q's dtype.
@@ -407,13 +429,15 @@ def memory_attention(
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     if nq < nk:  # queries are the last Nq positions
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
+        if feature_q is not None:
+            feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
-    state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct)
-    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score)
+    state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
+    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, feature_q, feature_k)
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
 
 
-def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score="value_norm"):
+def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score="value_norm", feature_q=None, feature_k=None):
     """Arguments of :func:`continue_memory_attention` against each other and the state
     (ValueError naming the argument); returns ``(B, H, n, D, Hkv, Dv)``."""
     if not isinstance(state, MemoryState):
@@ -442,6 +466,12 @@ def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, m
         raise ValueError(f"state keeps {state.base.sink_k.shape[2]} sinks but sinks={sinks}")
     if state.memory != memory:
         raise ValueError(f"state keeps memory={state.memory} slots but memory={memory}")
+    check_feature_inputs(q, k, feature_q, feature_k)
+    if (feature_k is None) != (state.mem_kf is None):
+        raise ValueError(
+            "feature_q/feature_k must be given exactly when the state keeps feature keys "
+            f"(MemoryState.empty(feature_keys=True)); state keeps them: {state.mem_kf is not None}, given: {feature_k is not None}"
+        )
     if state.base.linear.S.device != q.device:
         raise ValueError(f"state is on {state.base.linear.S.device} but q is on {q.device}")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, n)):
@@ -464,6 +494,8 @@ def continue_memory_attention(
     scale: float | None = None,
     chunk_size: int = 64,
     memory_score: str = "value_norm",
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MemoryState]:
     """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
     :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
@@ -472,15 +504,19 @@ def continue_memory_attention(
 
     q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]``, attention_mask ``[B, n]`` →
     ``(out [B, H, n, Dv]`` in q's dtype, new state). Any split of a sequence into calls gives the
-    outputs of one :func:`memory_attention` over it (up to float rounding).
+    outputs of one :func:`memory_attention` over it (up to float rounding). ``feature_q``/
+    ``feature_k`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
+    state was built with ``feature_keys=True``.
     """
-    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score)
+    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score, feature_q, feature_k)
     if b == 0 or n == 0:
         return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
     scale = d**-0.5 if scale is None else float(scale)
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
-    out, new = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score)
+    if feature_q is not None:  # un-rotated q/k are non-finite where q/k are (poisoned above): kept out of the state
+        feature_q, feature_k = (torch.where(torch.isfinite(x), x, torch.zeros_like(x)) for x in (feature_q, feature_k))
+    out, new = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score, fq=feature_q, fk=feature_k)
     new = replace(new, base=replace(new.base, nonfinite=nonfinite))
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))

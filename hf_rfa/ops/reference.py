@@ -101,7 +101,7 @@ def quadratic_kernel_attention(
     ``feature_q``/``feature_k`` (shapes of q/k, or None): what φ reads instead of q and k.
     """
     b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
-    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k, memory)
+    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
     scale = d**-0.5 if scale is None else scale
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     g = h // hkv
@@ -139,7 +139,7 @@ def quadratic_kernel_attention(
     if memory > 0:
         if not causal:
             raise ValueError("memory > 0 needs causal attention (the exact memory is chosen over the past)")
-        scores_m = feature_error_scores(ks, v, feature_map, attention_mask, window, sinks, memory, memory_every) if memory_score == "feature_error" else None
+        scores_m = feature_error_scores(ks_f, v, feature_map, attention_mask, window, sinks, memory, memory_every) if memory_score == "feature_error" else None
         exact = exact | _expand_kv(memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq, scores_m), g)
     exact = exact & visible
     feat = visible & ~exact & (not null)
@@ -211,7 +211,8 @@ def feature_error_scores(
     multiple of ``memory_every`` ≥ s + W). Its score is ``log2 ‖v_s − v̂_s‖`` (rounded like
     ``value_norm``), v̂_s the feature part's answer to the query k_s over the keys folded before
     r_s: every eligible key s' ≤ r_s − E − W that is not in the memory chosen at r_s − E (a
-    weighted mean of their values with weights φ(k_s)·φ(k_s') — 0 when there are none). Computed
+    weighted mean of their values with weights φ_k(k_s)·φ_k(k_s'), key-side features — 0 when
+    there are none). Computed
     here from scratch with explicit sums, refresh by refresh, the memory re-chosen by
     :func:`memory_membership`'s rule; the fast path (:func:`hf_rfa.ops.memory.feature_error`)
     keeps the state incrementally. ks ``[B, Hkv, Nk, D]`` keys scaled by √scale, v ``[B, Hkv, Nk, Dv]``.
@@ -227,9 +228,9 @@ def feature_error_scores(
     pos = torch.arange(nk, device=dev)
     first = -(-(pos + window) // e) * e  # r_s
     with torch.no_grad():
-        fq, fk = feature_map.forward_queries(ks.detach()), feature_map.forward_keys(ks.detach())
+        fk = feature_map.forward_keys(ks.detach())
         lk = fk.log_scale if fk.log_scale is not None else torch.zeros(fk.phi.shape[:-1], dtype=ks.dtype, device=dev)
-        dot = (fq.phi.double() @ fk.phi.double().transpose(-1, -2)) * torch.exp(lk.double() - lk.double().amax(-1, keepdim=True)).unsqueeze(-2)  # [B,Hkv,Nk(query key),Nk]
+        dot = (fk.phi.double() @ fk.phi.double().transpose(-1, -2)) * torch.exp(lk.double() - lk.double().amax(-1, keepdim=True)).unsqueeze(-2)  # [B,Hkv,Nk(query key),Nk]
         vd = v.detach().double()
         score = torch.full((b, hkv, nk), float("-inf"), dtype=torch.float32, device=dev)
         for r in range(0, nk, e):  # the refreshes some query uses

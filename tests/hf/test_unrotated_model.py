@@ -120,8 +120,29 @@ def test_models_without_rotary_embeddings_and_bad_values_are_refused():
         hf_rfa.convert(tiny_model("gpt2"), hf_rfa.RFAConfig(window=4, feature_input="unrotated"))
     with pytest.raises(ValueError, match="feature_input must be one of"):
         hf_rfa.RFAConfig(feature_input="pre-rope")
-    with pytest.raises(ValueError, match="memory"):
-        hf_rfa.RFAConfig(window=4, memory=8, feature_input="unrotated")
+
+
+@pytest.mark.parametrize("score", ["value_norm", "feature_error"])
+def test_unrotated_features_with_an_exact_memory(score):
+    """memory > 0 with un-rotated features: cached decoding = one full forward; the memory and the
+    un-rotated features both change the result."""
+    over = dict(decay=0.0, memory=2, memory_every=4, memory_score=score)
+    model = _model(**over)
+    ids, mask = _batch(n=40)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache = hf_rfa.RFACache(model)
+        outs, t = [], 0
+        for step in _steps(ids.shape[1]):
+            outs.append(model(ids[:, t:t + step], attention_mask=mask[:, :t + step], cache=cache, use_cache=True).logits)
+            t += step
+        rotated = _model(**over, feature_input="rotated")(ids, attention_mask=mask).logits
+        no_memory = _model(decay=0.0)(ids, attention_mask=mask).logits
+    m = mask.bool()
+    assert (torch.cat(outs, 1) - full)[m].abs().max().item() <= DECODE_LOGITS
+    assert cache.layers[0].state.mem_kf is not None
+    assert (rotated - full)[m].abs().max().item() > DECODE_LOGITS  # (the far keys weigh little in a tiny random model)
+    assert (no_memory - full)[m].abs().max().item() > 10 * DECODE_LOGITS
 
 
 # --- cached decoding keeps the rotated window only; the rotations once per cache ---------------

@@ -168,8 +168,6 @@ def test_bad_feature_inputs_are_refused():
         random_feature_attention(q, k, v, fm, feature_q=fq)
     with pytest.raises(ValueError, match="feature_k must have the shape"):
         random_feature_attention(q, k, v, fm, feature_q=fq, feature_k=fk[:, :, :4])
-    with pytest.raises(ValueError, match="memory"):
-        random_feature_attention(q, k, v, fm, window=2, memory=4, feature_q=fq, feature_k=fk)
     with pytest.raises(ValueError, match="feature_q must be a floating"):
         random_feature_attention(q, k, v, fm, feature_q=fq.long(), feature_k=fk)
     plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32)

@@ -40,7 +40,7 @@ def _simulate(k, v, mask, fm, window, sinks, memory, every):
     refresh by refresh, new candidates scored against the keys folded so far, then a Python sort."""
     b, hkv, n, d = k.shape
     ks = k.double() * d**-0.25
-    fq, fk = fm.double().forward_queries(ks), fm.double().forward_keys(ks)
+    fk = fm.double().forward_keys(ks)
     fm.float()
     lk = fk.log_scale if fk.log_scale is not None else torch.zeros(b, hkv, n, dtype=torch.float64)
     scores = torch.full((b, hkv, n), float("-inf"))
@@ -56,7 +56,7 @@ def _simulate(k, v, mask, fm, window, sinks, memory, every):
                     continue
                 for s in new:
                     seen.add(s)
-                    w = [float((fq.phi[bi, hi, s] @ fk.phi[bi, hi, j]).detach()) * math.exp(float(lk[bi, hi, j] - lk[bi, hi].max())) for j in folded]
+                    w = [float((fk.phi[bi, hi, s] @ fk.phi[bi, hi, j]).detach()) * math.exp(float(lk[bi, hi, j] - lk[bi, hi].max())) for j in folded]
                     den = sum(w)
                     pred = sum((wi * v[bi, hi, j].double() for wi, j in zip(w, folded)), torch.zeros(v.shape[-1], dtype=torch.float64)) / den if den > 0 else torch.zeros(v.shape[-1], dtype=torch.float64)
                     err = float(torch.linalg.vector_norm(v[bi, hi, s].double() - pred))

@@ -159,5 +159,3 @@ def test_feature_rope_errors():
         hf_rfa.random_feature_attention(q, k, v, fm, window=4, feature_rope=(cos[..., :3], sin[..., :3]))
     with pytest.raises(ValueError, match="pair of tensors"):
         hf_rfa.random_feature_attention(q, k, v, fm, window=4, feature_rope=cos)
-    with pytest.raises(ValueError, match="does not combine with memory"):
-        hf_rfa.random_feature_attention(q, k, v, fm, window=4, memory=8, feature_rope=(cos, sin))
