@@ -87,15 +87,13 @@ class RFAConfig:
         if self.feature_map == "none" and self.window == 0 and self.sinks == 0:
             raise ValueError("feature_map='none' (window-only baseline) needs window > 0 or sinks > 0")
         check_name(self.backend)
-        if self.memory > 0 and self.gate:
-            raise ValueError("memory > 0 does not support gate=True (a decayed feature state cannot take memory keys back at their fold time); use memory=0 or gate=False")
         if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not (self.decay == 0 or 1.0 <= self.decay <= MAX_DECAY):
             raise ValueError(f"decay must be 0 (off) or a half-life in tokens in [1, {MAX_DECAY:g}], got {self.decay!r}")
         self.decay = float(self.decay)
         if self.decay > 0:
-            clash = [name for name, bad in (("gate", self.gate), ("memory", self.memory > 0), ("feature_map='none'", self.feature_map == "none")) if bad]
+            clash = [name for name, bad in (("gate", self.gate), ("feature_map='none'", self.feature_map == "none")) if bad]
             if clash:
-                raise ValueError(f"decay > 0 does not combine with {', '.join(clash)} (gate=True is already a decay; the memory needs an undecayed state; 'none' has no feature state); use decay=0")
+                raise ValueError(f"decay > 0 does not combine with {', '.join(clash)} (gate=True is already a decay; 'none' has no feature state); use decay=0")
         if self.feature_input not in FEATURE_INPUTS:
             raise ValueError(f"feature_input must be one of {list(FEATURE_INPUTS)}, got {self.feature_input!r}")
         if self.memory_score not in MEMORY_SCORES:

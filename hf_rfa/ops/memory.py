@@ -42,8 +42,16 @@ keys are folded; :func:`feature_error`), as LoLA (arXiv 2505.23666) caches the k
 state represents worst. A key's score never changes after its first refresh, so "a key not chosen
 at its first refresh never will be" holds for both (twin: ``reference.memory_membership``).
 
-Scope: causal only; not with gated maps (a decayed state cannot take a key in at a later fold
-time with the weight the full form gives); refresh positions are absolute positions (padding
+Gated maps and decays (``RFAConfig(decay=H)``, RFA's gate): a feature key s weighs
+``exp(G_t − G_s) (1 − g_s)`` for query t, G the cumulative log gate, as in the op without memory.
+The state is kept *anchored* at the position before the buffer's first key: a key folded at a
+refresh enters with its weight as of the anchor (``G_anchor − G_s + log(1 − g_s)``, computed from
+the buffer's cumulative gate; memory keys carry theirs, ``MemoryState.mem_lg``), a query adds
+the decay from the anchor to itself, pending keys get both, and at the end of a call the state and
+the memory's weights move to the new anchor (:func:`recurrent.decay`). Exact keys (window, sinks,
+memory) are never decayed.
+
+Scope: causal only; refresh positions are absolute positions (padding
 included), like the window, so a left-padded row refreshes at other token counts than the same
 row unpadded. The selection is a non-differentiable choice of indices; gradients flow through
 q, k, v of the chosen keys. Runs plain PyTorch (autograd and inference alike) whatever the
@@ -61,7 +69,7 @@ from .decode import DecodeState, _exact_part, _join_sinks
 from .hybrid import exact_local
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
-from .recurrent import LinearState, fold, read
+from .recurrent import LinearState, decay, fold, read
 
 #: largest ``memory`` (keys per kv head)
 MAX_MEMORY = 65536
@@ -122,8 +130,6 @@ def check_memory_args(memory, memory_every, causal: bool, feature_map, memory_sc
         raise ValueError(f"memory_score must be one of {list(MEMORY_SCORES)}, got {memory_score!r}")
     if memory > 0 and not causal:
         raise ValueError("memory > 0 needs causal attention: the exact memory is chosen over the past (use memory=0 for bidirectional layers)")
-    if memory > 0 and getattr(feature_map, "has_gate", False):
-        raise ValueError("memory > 0 does not support gated feature maps (gate=True)")
     if memory > 0 and memory_score == "feature_error" and getattr(feature_map, "null", False):
         raise ValueError("memory_score='feature_error' needs a feature state to score keys against; feature_map='none' has none (use memory_score='value_norm')")
     return memory, memory_every
@@ -140,6 +146,9 @@ class MemoryState:
     mem_pos:  ``[B, Hkv, M]`` long, their positions; ``mem_norm [B, Hkv, M]`` their score
               (:func:`value_norm`).
     mem_ok:   ``[B, Hkv, M]`` bool, the slot holds a key.
+    mem_lg:   ``[B, Hkv, M]`` gated / decaying maps: log of each memory key's feature weight as of
+              the state's anchor (the position before the buffer's first key), i.e.
+              ``G_anchor − G_s + log(1 − g_s)`` — what the key weighs if it is folded (zeros otherwise).
     mem_kf:   ``[B, Hkv, M, D]`` the memory keys as the feature part reads them (feature inputs,
               e.g. un-rotated; needed when a displaced memory key is folded), or None (the feature
               part reads the keys themselves); the base then keeps ``win_kf`` for the buffer.
@@ -151,6 +160,7 @@ class MemoryState:
     mem_pos: torch.Tensor
     mem_norm: torch.Tensor
     mem_ok: torch.Tensor
+    mem_lg: torch.Tensor | None = None
     mem_kf: torch.Tensor | None = None
 
     @classmethod
@@ -180,6 +190,7 @@ class MemoryState:
             mem_pos=torch.zeros(b, h, m, dtype=torch.long, device=device),
             mem_norm=torch.zeros(b, h, m, dtype=compute_dtype, device=device),
             mem_ok=torch.zeros(b, h, m, dtype=torch.bool, device=device),
+            mem_lg=torch.zeros(b, h, m, dtype=compute_dtype, device=device),
             mem_kf=torch.zeros(b, h, m, head_dim, dtype=dtype, device=device) if feature_keys else None,
         )
 
@@ -312,6 +323,11 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     lkf_raw = torch.cat([base.win_kf, fk.to(base.win_kf.dtype)], dim=2) if fk is not None else None
     xqf = fq.to(ct) * root if fq is not None else xq  # the feature part's queries and keys
     xkf = lkf_raw.to(ct) * root if fk is not None else xk
+    gated = getattr(feature_map, "has_gate", False) and not null
+    if gated:  # the state is anchored at local index −1 (the position before the buffer's first key)
+        logg, log1mg = feature_map.log_gate(xkf)  # [B,Hkv,L]
+        cg = torch.cumsum(logg * real[:, None, :].to(logg.dtype), dim=-1)  # decay from the anchor to j; padding never decays
+        key_lg = log1mg - cg  # log weight of local key s as of the anchor
     by_error = memory_score == "feature_error"
     norms = None if by_error else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
     xqg = xq.reshape(b, hkv, g, n, d)
@@ -328,7 +344,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
             exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
 
-    mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
+    mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok, "lg": state.mem_lg}
     if fk is not None:
         mem["kf"] = state.mem_kf
     linear = base.linear
@@ -344,14 +360,17 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
                 "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),
                 "norm": feature_error(linear, feature_map, xkf[:, :, lo:hi], vv[:, :, lo:hi]).to(ct) if by_error else norms[:, :, lo:hi],
                 "ok": feat[:, None, lo:hi].expand(b, hkv, hi - lo),
+                "lg": key_lg[:, :, lo:hi] if gated else state.mem_lg.new_zeros(b, hkv, hi - lo),
             }
             if fk is not None:
                 cand["kf"] = lkf_raw[:, :, lo:hi]
             fname = "kf" if fk is not None else "k"
-            folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in (fname, "v")}
+            folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in (fname, "v", "lg")}
             mem, out_mask = _select(mem, cand, memory)
             if not null:  # the keys not chosen enter the feature state for good
                 kf, lkf = _features(feature_map, folded[fname].to(ct) * root, False, hkv)
+                if gated:  # each key enters with its weight as of the anchor
+                    lkf = folded["lg"] if lkf is None else lkf + folded["lg"]
                 kf = kf * out_mask.unsqueeze(-1)
                 if lkf is not None:
                     lkf = torch.where(out_mask, lkf, torch.full_like(lkf, NEG))
@@ -364,10 +383,15 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
             part = _memory_part(xqg[:, :, :, qi], mk, mv, mem["ok"])
             if not null:
                 qf, lq = _features(feature_map, xqf[:, :, qi], True, hkv)
+                if gated:  # the decay from the anchor to each query
+                    qg = cg[:, :, c0 - pos0 : c1 - pos0].unsqueeze(2).expand(b, hkv, g, c1 - c0)
+                    lq = qg if lq is None else lq + qg
                 part = merge(part, read(linear, qf, lq))
                 top = c1 - window - pos0  # pending keys of this chunk: local [lo, top), s <= t − W
                 if top > lo:
                     kf, lkf = _features(feature_map, xkf[:, :, lo:top], False, hkv)
+                    if gated:
+                        lkf = key_lg[:, :, lo:top] if lkf is None else lkf + key_lg[:, :, lo:top]
                     t = torch.arange(c0, c1, device=dev).view(-1, 1)
                     s = torch.arange(pos0 + lo, pos0 + top, device=dev).view(1, -1)
                     vis = (s <= t - window).unsqueeze(0) & feat[:, None, lo:top]  # [B,C,P]
@@ -378,6 +402,10 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     if exact is not None:
         total = merge(exact, total)
     out = finalize(total, feature_map.eps).reshape(b, h, n, dv)
+    if gated and lo > 0:  # re-anchor the state and the memory's weights at the new buffer's start
+        shift = cg[:, :, lo - 1]  # [B,Hkv]
+        linear = decay(linear, shift)
+        mem["lg"] = mem["lg"] + shift.unsqueeze(-1)
 
     new_base = DecodeState(
         linear=linear,
@@ -395,7 +423,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         nonfinite=base.nonfinite,
         seen=p0 + n,
     )
-    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem.get("kf"))
+    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem["lg"], mem.get("kf"))
 
 
 def memory_attention(

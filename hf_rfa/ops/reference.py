@@ -230,6 +230,11 @@ def feature_error_scores(
     with torch.no_grad():
         fk = feature_map.forward_keys(ks.detach())
         lk = fk.log_scale if fk.log_scale is not None else torch.zeros(fk.phi.shape[:-1], dtype=ks.dtype, device=dev)
+        if feature_map.has_gate:  # a folded key's weight relative to the others: exp(−G_s') (1 − g_s')
+            logg, log1mg = feature_map.log_gate(ks.detach())
+            if km is not None:
+                logg = logg * km.view(b, 1, nk)
+            lk = lk + log1mg - torch.cumsum(logg, dim=-1)
         dot = (fk.phi.double() @ fk.phi.double().transpose(-1, -2)) * torch.exp(lk.double() - lk.double().amax(-1, keepdim=True)).unsqueeze(-2)  # [B,Hkv,Nk(query key),Nk]
         vd = v.detach().double()
         score = torch.full((b, hkv, nk), float("-inf"), dtype=torch.float32, device=dev)

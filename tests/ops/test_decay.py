@@ -160,7 +160,7 @@ def test_enable_decay_initial_half_life_and_bad_values():
     "kwargs,match",
     [({"decay": -1.0}, "decay must be"), ({"decay": 0.5}, "decay must be"), ({"decay": True}, "decay must be"),
      ({"decay": "64"}, "decay must be"), ({"decay": float("nan")}, "decay must be"),
-     ({"decay": 64.0, "feature_map": "rfa", "gate": True}, "gate"), ({"decay": 64.0, "memory": 8}, "memory"),
+     ({"decay": 64.0, "feature_map": "rfa", "gate": True}, "gate"),
      ({"decay": 64.0, "feature_map": "none", "window": 4}, "'none'")],
 )
 def test_config_refuses_bad_decay(kwargs, match):
