@@ -27,6 +27,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--variants", default="w64:favor+mem128err,w64:none+mem128")
 p.add_argument("--length", type=int, default=2048)
 p.add_argument("--depths", default="0.1,0.5,0.9")
+p.add_argument("--recipe-model", default=None, help="a converted model folder (e.g. make main's output): variants are then mem<M>[err] added to it")
 p.add_argument("--out", default=None)
 a = p.parse_args()
 torch.set_num_threads(int(os.environ.get("NT", "2")))
@@ -34,8 +35,16 @@ path = str(assets.smollm2_path())
 _, tok, _ = load_model(path)
 key = "71432"
 for name in a.variants.split(","):
-    model, _, _ = load_model(path)
-    model = hf_rfa.convert(model, hf_rfa.RFAConfig(**mem.VARIANTS[name])).eval()
+    if a.recipe_model:
+        model, _, _ = load_model(a.recipe_model)
+        for mod in model.modules():
+            if hasattr(mod, "rfa") and hasattr(mod.rfa, "memory"):
+                mod.rfa.memory, mod.rfa.memory_every = int(name[3:].removesuffix("err")), 64
+                mod.rfa.memory_score = "feature_error" if name.endswith("err") else "value_norm"
+        model.eval()
+    else:
+        model, _, _ = load_model(path)
+        model = hf_rfa.convert(model, hf_rfa.RFAConfig(**mem.VARIANTS[name])).eval()
     for depth in (float(x) for x in a.depths.split(",")):
         prompt, answer = long_range.passkey_prompt(tok, a.length, depth, key)
         ids = prompt.tolist()

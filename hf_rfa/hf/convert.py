@@ -207,6 +207,34 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
     return model
 
 
+def set_memory(model: nn.Module, memory: int, memory_every: int = 64, memory_score: str = "value_norm") -> nn.Module:
+    """Switch a converted model's exact global memory on, off (``memory=0``) or to other settings,
+    in place (no parameters are involved: the trained feature maps and weights stay); returns it.
+
+    The new settings are validated as :class:`RFAConfig` fields (``ValueError`` naming the field),
+    written to every converted layer and to ``model.config.rfa_config`` (so they travel with
+    ``save_pretrained``). A model that was not converted, or has bidirectional converted layers
+    (the memory needs causal attention), is refused with ``ValueError``. E.g. a model trained
+    without memory, then given one for long-range recall::
+
+        hf_rfa.set_memory(model, 128, memory_score="feature_error")
+    """
+    old = rfa_config_of(model)
+    if old is None:
+        raise ValueError(f"{type(model).__name__} is not converted (no rfa_config): call hf_rfa.convert first")
+    config = RFAConfig.from_dict({**old.to_dict(), "memory": memory, "memory_every": memory_every, "memory_score": memory_score})
+    layers = [(idx, module) for _, module, idx in find_attention_modules(model) if hasattr(module, "rfa")]
+    bidir = [idx for idx, module in layers if getattr(module, "is_causal", True) is False]
+    if bidir and config.memory > 0:
+        raise ValueError(f"memory={config.memory}: the exact memory needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use memory=0)")
+    for module in model.modules():  # PEFT's modules_to_save copies too
+        if isinstance(module, RFAAttention):
+            module.memory, module.memory_every, module.memory_score = config.memory, config.memory_every, config.memory_score
+    setattr(model.config, CONFIG_ATTR, config.to_dict())
+    logger.info("exact memory of %s: %d keys per kv head, re-chosen every %d positions, ranked by %s", type(model).__name__, config.memory, config.memory_every, config.memory_score)
+    return model
+
+
 def rfa_config_of(model: nn.Module) -> RFAConfig | None:
     """The :class:`RFAConfig` stored in ``model.config`` (None if not converted)."""
     cfg = getattr(model, "config", None)

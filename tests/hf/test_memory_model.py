@@ -76,6 +76,31 @@ def test_memory_score_survives_save_load(tmp_path):
         assert not torch.equal(by_norm(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
 
 
+def test_set_memory_equals_converting_with_it(tmp_path):
+    """hf_rfa.set_memory switches the memory of a converted model (no parameters change): the
+    result equals converting with those settings; config, save/load follow; bad input refused."""
+    cfg = dict(SETTINGS["favor+"], memory=0)
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**cfg))
+    want = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**{**cfg, "memory": 3, "memory_score": "feature_error"}))
+    ids, mask = _batch(n=30, pad=3)
+    hf_rfa.set_memory(model, 3, 4, "feature_error")
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, want(ids, attention_mask=mask).logits)
+        assert hf_rfa.rfa_config_of(model).memory_score == "feature_error"
+        model.save_pretrained(tmp_path)
+        again = hf_rfa.from_pretrained(str(tmp_path), type(model))
+        assert torch.equal(again(ids, attention_mask=mask).logits, want(ids, attention_mask=mask).logits)
+        hf_rfa.set_memory(model, 0)
+        plain = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**cfg))
+        assert torch.equal(model(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+    with pytest.raises(ValueError, match="memory_score must be one of"):
+        hf_rfa.set_memory(model, 3, 4, "norm")
+    with pytest.raises(ValueError, match="not converted"):
+        hf_rfa.set_memory(tiny_model("llama"), 3)
+    with pytest.raises(ValueError, match="bidirectional"):
+        hf_rfa.set_memory(hf_rfa.convert(tiny_model("bert"), hf_rfa.RFAConfig(window=4)), 3)
+
+
 def test_bidirectional_model_with_memory_is_refused():
     with pytest.raises(ValueError, match="memory"):
         hf_rfa.convert(tiny_model("bert"), hf_rfa.RFAConfig(window=4, memory=8))

@@ -274,6 +274,37 @@ def test_main_job_shaped_run_has_the_equal_state_baseline_and_skips_the_untransf
     assert model.model.layers[0].self_attn.rfa.feature_input == "unrotated"
 
 
+def test_memory_after_training_rows_and_published_model(tiny_dir, tmp_path):
+    """``memory_after_training``: the window-only baseline after its LoRA and the recipe after
+    transfer + LoRA are evaluated again with the exact memory switched on (the baseline ranks by
+    ‖v‖, the recipe by its memory_score); the published model carries the memory."""
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["llama"], output=str(tmp_path / "out"),
+        rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated", memory_score="feature_error", memory_every=8),
+        transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, memory_after_training=3,
+        evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
+    )
+    rep = pipeline.run(cfg)
+    names = [r["variant"] for r in rep["rows"]]
+    wo = "window-only: window 4 + sinks 1, no features"
+    label = "hedgehog m=8 + window 4 + sinks 1 + decay 16, un-rotated q/k"
+    assert names == ["original (softmax)", f"{wo}, untrained", f"{wo}, after LoRA",
+                     "window-only: window 4 + sinks 1 + memory 3 (value_norm), no features, after LoRA",
+                     f"{label}, after attention transfer", f"{label}, after transfer + LoRA", f"{label}, after transfer + LoRA + memory 3 (feature_error)"]
+    ppl = {r["variant"]: r["perplexity"] for r in rep["rows"]}
+    assert ppl[names[-1]] != ppl[names[-2]] and ppl[names[3]] != ppl[names[2]]  # the memory is used
+    assert rep["final_variant"] == names[-1]
+    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
+    cfg_out = hf_rfa.rfa_config_of(model)
+    assert (cfg_out.memory, cfg_out.memory_every, cfg_out.memory_score) == (3, 8, "feature_error")
+    assert model.model.layers[0].self_attn.rfa.memory == 3
+    with pytest.raises(ValueError, match="memory_after_training"):
+        pipeline.ConversionConfig(model="x", rfa=hf_rfa.RFAConfig(memory=2), memory_after_training=3)
+    with pytest.raises(ValueError, match="memory_after_training"):
+        pipeline.ConversionConfig(model="x", memory_after_training=-1)
+
+
 def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, monkeypatch, caplog, capsys):
     """Without matplotlib the plot is skipped with one warning (checked before any stage); a failed
     --push-to-hub keeps the folder, prints the table and says how to upload."""

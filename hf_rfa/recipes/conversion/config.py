@@ -46,6 +46,7 @@ class ConversionConfig:
     copy_draws: int = field(default=8, metadata={"help": "long range: seeded draws of the copy task"})
     passkey_lengths: list[int] = field(default_factory=list, metadata={"help": "long range: passkey retrieval at these prompt lengths, original and trained variants (empty: skip)"})
     passkey_trials: int = field(default=20, metadata={"help": "long range: seeded passkey trials per (length, depth)"})
+    memory_after_training: int = field(default=0, metadata={"help": "causal: after training, also evaluate (and publish) the recipe with an exact memory of this many keys per kv head ranked by rfa.memory_score (hf_rfa.set_memory; trained without it: it has no parameters), next to the window-only baseline after its LoRA with the same memory ranked by ||v|| (0: off)"})
     batch_size: int = field(default=1, metadata={"help": "sequences per step of transfer and LoRA (causal LMs)"})
     transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (0 or None: all)"})
     transfer_lr: float = field(default=1e-2, metadata={"help": "learning rate of attention transfer"})
@@ -86,7 +87,7 @@ class ConversionConfig:
                 )
         for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features", "copy_draws", "passkey_trials"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max"):
+        for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max", "memory_after_training"):
             _check_int(name, getattr(self, name), 0)
         if not self.eval_contexts or any(not isinstance(c, int) or c < 2 for c in self.eval_contexts):
             raise ValueError(f"eval_contexts must be a non-empty list of ints >= 2, got {self.eval_contexts!r}")
@@ -111,6 +112,10 @@ class ConversionConfig:
             if not issubclass(feature_map_class(self.rfa.feature_map), RandomProjectionMap):
                 raise ValueError(f"learnable_projections needs a random-projection feature map, got feature_map={self.rfa.feature_map!r}")
         RFAConfig(feature_map=self.random_feature_map, num_features=self.random_num_features)
+        if self.memory_after_training:
+            if self.rfa.memory:
+                raise ValueError(f"memory_after_training={self.memory_after_training} needs rfa.memory=0 (the recipe already trains with memory={self.rfa.memory})")
+            RFAConfig.from_dict({**self.rfa.to_dict(), "memory": self.memory_after_training})  # the settings it will take
 
     @property
     def seed(self) -> int:

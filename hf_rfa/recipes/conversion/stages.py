@@ -21,7 +21,7 @@ import torch
 from .. import evaluation
 from . import calibration, precision, transfer
 from ...config import RFAConfig
-from ...hf.convert import convert
+from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
 from .state import State, evaluate
 
@@ -132,6 +132,10 @@ def window_only_baseline(s: State) -> None:
     s.stages["lora (window-only)"] = res.as_dict()
     s.baseline = f"{label}, after LoRA"
     evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
+    if cfg.memory_after_training:  # the same exact memory, switched on after the same LoRA (no features: ranked by ||v||)
+        set_memory(trained, cfg.memory_after_training, cfg.rfa.memory_every, "value_norm")
+        s.baseline = f"window-only: window {window} + sinks {sinks} + memory {cfg.memory_after_training} (value_norm), no features, after LoRA"
+        evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
     del trained
     for w in cfg.baseline_windows:  # e.g. the equal-decode-state window: trained rows only
         if w == window:
@@ -219,6 +223,10 @@ def lora(s: State) -> None:
     s.stages["lora"] = res.as_dict()
     s.final = f"{s.label}, after transfer + LoRA" if "transfer" in s.stages else f"{s.label}, after LoRA"
     evaluate(s, s.final, stage, passkey=True)
+    if cfg.memory_after_training and s.kind == CAUSAL_LM:  # published with the exact memory (it has no parameters)
+        set_memory(s.model, cfg.memory_after_training, cfg.rfa.memory_every, cfg.rfa.memory_score)
+        s.final = f"{s.final} + memory {cfg.memory_after_training} ({cfg.rfa.memory_score})"
+        evaluate(s, s.final, stage, passkey=True)
 
 
 # --------------------------------------------------------------------------- results
