@@ -10,17 +10,22 @@
    its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 32,768 tokens at context
    4096 (token budgets: the 30-min limits are only safety limits that fail the run);
 3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
-   every other key dropped, its own LoRA with the same budget), the strongest trivial baseline, and
-   for **window-only 128 + 4** after LoRA: the window with as many decode-state numbers per layer
-   as window 64 plus the feature state;
-4. evaluates every variant (original / window-only untrained and after LoRA / window-only 128 after
-   LoRA / hybrid after transfer and after transfer + LoRA) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
+   every other key dropped, its own LoRA with the same budget), the strongest trivial baseline;
+4. switches on an **exact memory** of 128 keys per kv head after training (``--memory-after-training
+   128``, :func:`hf_rfa.set_memory`; it has no parameters): in the recipe the features choose it —
+   the keys whose value the feature state recalls worst (``--memory-score feature_error``) — in the
+   window-only baseline (no features) the keys with the largest ‖v‖; both are evaluated again and the
+   published model keeps its memory. (The equal-decode-state window-only 128 baseline of sessions
+   11–14 is left out to make room: its LoRA and rows are deterministic and recorded in those runs,
+   ``--baseline-windows 128`` brings it back);
+5. evaluates every variant (original / window-only untrained, after LoRA, and + memory / hybrid after
+   transfer, after transfer + LoRA, and + memory) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
    4,096 and 8,192 predicted tokens), the copy task at gaps 512 and 3,584 (2 seeded draws each)
    and, for the original and the trained variants, passkey retrieval at 1,024 tokens (4 trials × 3
    depths). These budgets keep ``make main`` within 30 min on a 2-core CPU; the larger long-range
    grid (8 copy draws, passkey at 1k–8k with 20 trials per cell) is ``hf-rfa-evaluate`` on the
    output folder (commands in ``conversion/RESULTS.md``);
-5. prints the table, a greedy generation sample (decoded with the constant-memory cache) and the
+6. prints the table, a greedy generation sample (decoded with the constant-memory cache) and the
    output folder (Hub-ready export, ``report.json`` with every figure).
 ``--quick`` is a few-minute run (context 512, window 64, a few LoRA steps, small eval); flags after the
 known ones go to ``conversion/convert.py`` (e.g. ``--transfer-tokens 100000``).
@@ -37,7 +42,7 @@ import time
 DEFAULT = [
     "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4", "--decay", "128",
     "--feature-input", "unrotated", "--transfer-tokens", "131072", "--transfer-query-blocks", "4", "--transfer-minutes", "30", "--no-evaluate-before-transfer",
-    "--baseline-windows", "128", "--no-baselines",
+    "--memory-after-training", "128", "--memory-score", "feature_error", "--no-baselines",
     "--context", "1024", "--lora-tokens", "32768", "--lora-context", "4096", "--lora-minutes", "30",
     "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",
     "--copy-gaps", "512", "3584", "--copy-draws", "2", "--passkey-lengths", "1024", "--passkey-trials", "4",
