@@ -45,6 +45,8 @@ def main(argv=None) -> None:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--decay", type=float, default=0.0, help="half-life of the feature state's decay (0: none)")
     p.add_argument("--feature-input", default="rotated", help="rotated | unrotated (the main job's recipe: unrotated)")
+    p.add_argument("--memory", type=int, default=0, help="exact memory keys per kv head (0: none)")
+    p.add_argument("--memory-score", default="value_norm", help="value_norm | feature_error (the main job's: feature_error with --memory 128)")
     p.add_argument("--out", default=None, help="also write the Markdown table here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -55,7 +57,8 @@ def main(argv=None) -> None:
     from hf_rfa.recipes.conversion.pipeline import load_model
 
     model, tok, _ = load_model(a.model or str(assets.smollm2_path()))
-    cfg = hf_rfa.RFAConfig(feature_map=a.feature_map, num_features=a.num_features, window=a.window, sinks=a.sinks, decay=a.decay, feature_input=a.feature_input)
+    cfg = hf_rfa.RFAConfig(feature_map=a.feature_map, num_features=a.num_features, window=a.window, sinks=a.sinks, decay=a.decay, feature_input=a.feature_input,
+                            memory=a.memory, memory_score=a.memory_score)
     converted = hf_rfa.convert(copy.deepcopy(model), cfg).eval()
     ids = evaluation.tokenize(tok, evaluation.load_text(str(assets.wikipedia_text_file("eval"))))
     rows = []
@@ -75,9 +78,11 @@ def main(argv=None) -> None:
         f"Prefill (one no-grad forward) of `{a.model or 'SmolLM2-135M-Instruct'}`, original (SDPA) vs converted "
         f"({a.feature_map} m={a.num_features} + window {a.window} + {a.sinks} sinks"
         + (f", decay {a.decay:g}" if a.decay else "") + (", un-rotated q/k" if a.feature_input == "unrotated" else "")
+        + (f", exact memory {a.memory} ({a.memory_score})" if a.memory else "")
         + f"); {a.threads} threads, median of {a.reps} interleaved runs. `python benchmarks/prefill.py --n {' '.join(map(str, a.n))} "
         f"--reps {a.reps} --threads {a.threads} --feature-map {a.feature_map} --num-features {a.num_features} --window {a.window} "
-        f"--sinks {a.sinks} --decay {a.decay:g} --feature-input {a.feature_input}`",
+        f"--sinks {a.sinks} --decay {a.decay:g} --feature-input {a.feature_input}"
+        + (f" --memory {a.memory} --memory-score {a.memory_score}" if a.memory else "") + "`",
         "", "| N | original s | converted s | speed-up |", "|---|---|---|---|",
     ] + [f"| {r['n']} | {r['original']:.1f} | {r['converted']:.1f} | {r['speedup']:.2f}× |" for r in rows]
     lines += ["", f"Goal: ≥ {a.goal}× at N={rows[-1]['n']}: " + ("MET" if met else "NOT met") + f" ({rows[-1]['speedup']:.2f}×)."]
