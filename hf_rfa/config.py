@@ -59,7 +59,7 @@ class RFAConfig:
     feature_map_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra options of the map"})
     memory: int = field(
         default=0,
-        metadata={"help": "causal layers: exact global memory of at most this many keys per kv head (0: off), chosen at every refresh as the keys with the largest ||v|| among those older than the window (not sinks); answered by exact softmax, excluded from the feature part (hf_rfa.ops.memory)"},
+        metadata={"help": "causal layers: exact global memory of at most this many keys per kv head (0: off), re-chosen every memory_every positions among the keys older than the window (not sinks) as ranked by memory_score; answered by exact softmax, excluded from the feature part (hf_rfa.ops.memory)"},
     )
     memory_every: int = field(default=64, metadata={"help": "the exact memory is re-chosen at positions that are multiples of this (used with memory > 0)"})
     decay: float = field(

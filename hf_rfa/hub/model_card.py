@@ -158,6 +158,9 @@ def render_model_card(
         hybrid.append(f"exact softmax over a local window of {config.window} tokens")
     if config.sinks:
         hybrid.append(f"the first {config.sinks} tokens attended exactly (attention sinks)")
+    if config.memory:
+        chosen = "the keys whose value the feature state recalls worst" if config.memory_score == "feature_error" else "the keys with the largest value norm"
+        hybrid.append(f"an exact memory of at most {config.memory} older keys per key-value head ({chosen}, re-chosen every {config.memory_every} tokens)")
     hybrid_text = (" combined with " + " and ".join(hybrid)) if hybrid else ""
     size = f" ({num_parameters / 1e6:.1f}M parameters)" if num_parameters else ""
     intro = (

@@ -472,3 +472,15 @@ def test_push_failure_keeps_the_folder_and_says_what_to_do():
         import shutil
 
         shutil.rmtree(folder)
+
+
+def test_model_card_describes_the_exact_memory():
+    """The card's summary says what the memory keeps (and nothing about one when there is none)."""
+    from hf_rfa.hub.model_card import render_model_card
+
+    base = dict(feature_map="hedgehog", num_features=64, window=64, sinks=4)
+    card = render_model_card(hf_rfa.RFAConfig(**base, memory=128, memory_score="feature_error"), "LlamaForCausalLM", "AutoModelForCausalLM")
+    assert "an exact memory of at most 128 older keys per key-value head (the keys whose value the feature state recalls worst, re-chosen every 64 tokens)" in card
+    by_norm = render_model_card(hf_rfa.RFAConfig(**base, memory=32, memory_every=16), "LlamaForCausalLM", "AutoModelForCausalLM")
+    assert "at most 32 older keys per key-value head (the keys with the largest value norm, re-chosen every 16 tokens)" in by_norm
+    assert "exact memory" not in render_model_card(hf_rfa.RFAConfig(**base), "LlamaForCausalLM", "AutoModelForCausalLM").split("## Usage")[0]
