@@ -88,8 +88,7 @@ def value_norm(v: torch.Tensor) -> torch.Tensor:
     exact-float ranking would then break their tie one way in one form and the other way in the
     other (decoding ≠ full forward). Rounded scores tie, and ties go to the older key in both
     (a flip needs a value within float rounding of a rounding boundary: ~1e-4 per key)."""
-    n = torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1).clamp_min(1e-30)
-    return (torch.round(torch.log2(n) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
+    return _round_log2(torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1))
 
 
 def _round_log2(x: torch.Tensor) -> torch.Tensor:

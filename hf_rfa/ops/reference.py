@@ -153,6 +153,16 @@ def quadratic_kernel_attention(
     return ((w @ _expand_kv(v.to(ct), g)) / den).to(q.dtype)
 
 
+def _top(cand: torch.Tensor, score: torch.Tensor, memory: int) -> torch.Tensor:
+    """The ``memory`` candidates (``cand [B, Hkv, Nk]`` bool) with the largest ``score`` (ties: the
+    lower position), as a ``[B, Hkv, Nk]`` bool mask."""
+    key = torch.where(cand, score, torch.full_like(score, float("-inf")))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    pos = torch.arange(score.shape[-1], device=score.device)
+    rank = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
+    return cand & (rank < memory)
+
+
 def memory_membership(
     v: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -186,10 +196,7 @@ def memory_membership(
     refresh = (t // memory_every) * memory_every
     for r in refresh.unique().tolist():
         cand = (eligible & (s <= r - window).view(1, nk)).view(b, 1, nk).expand(b, hkv, nk)
-        key = torch.where(cand, norm, torch.full_like(norm, float("-inf")))
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # ties: lower position first
-        rank = torch.empty_like(order).scatter_(-1, order, s.expand_as(order))
-        chosen = cand & (rank < memory)  # [B,Hkv,Nk]
+        chosen = _top(cand, norm, memory)  # [B,Hkv,Nk]
         rows = refresh == r
         out[:, :, rows] = chosen.unsqueeze(2).expand(b, hkv, int(rows.sum()), nk)
     return out
@@ -245,10 +252,7 @@ def feature_error_scores(
             prev = r - e
             cand_prev = eligible & (pos <= prev - window).view(1, 1, nk)
             if prev >= 0 and cand_prev.any():
-                key = torch.where(cand_prev, score, torch.full_like(score, float("-inf")))
-                order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-                rank = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))
-                folded = cand_prev & ~(rank < memory)
+                folded = cand_prev & ~_top(cand_prev, score, memory)
             else:
                 folded = torch.zeros_like(eligible)
             w = dot * folded.unsqueeze(-2)  # [B,Hkv,Nk,Nk]: row s, column s'
