@@ -108,10 +108,15 @@ def feature_error(linear: LinearState, feature_map, xk: torch.Tensor, v: torch.T
     K, D]`` keys scaled by √scale (compute dtype), v ``[B, Hkv, K, Dv]`` → ``[B, Hkv, K]`` float32
     (detached)."""
     with torch.no_grad():
-        b, hkv, kk, _ = xk.shape
-        f = feature_map.forward_keys(xk.detach())  # key-side features (maps may have per-query-head parameters)
-        lq = f.log_scale.view(b, hkv, 1, kk) if f.log_scale is not None else None
-        part = read(linear, f.phi.view(b, hkv, 1, kk, -1), lq)
+        return recall_error(linear, feature_map.forward_keys(xk.detach()).phi, v)  # key-side features (maps may have per-query-head parameters)
+
+
+def recall_error(linear: LinearState, phi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`feature_error` from the keys' features ``phi [B, Hkv, K, F]`` (their log scales
+    cancel in the ratio) → ``[B, Hkv, K]`` float32, detached."""
+    with torch.no_grad():
+        b, hkv, kk, _ = phi.shape
+        part = read(linear, phi.detach().view(b, hkv, 1, kk, -1), None)
         num, den = part.num.view(b, hkv, kk, -1).double(), part.den.view(b, hkv, kk).double()
         pred = torch.where((den > 0).unsqueeze(-1), num / den.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(num))
         return _round_log2(torch.linalg.vector_norm(v.detach().double() - pred, dim=-1))
@@ -293,20 +298,49 @@ def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
     return f.phi.reshape(b, hkv, h // hkv, c, -1), (f.log_scale.reshape(b, hkv, h // hkv, c) if f.log_scale is not None else None)
 
 
-def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
-    """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
-    bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state).
-    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule);
-    ``memory_score``: how candidates are ranked (:data:`MEMORY_SCORES`); ``fq``/``fk`` (shapes of
-    q/k, or None): what the feature part reads (the state keeps them: ``MemoryState.mem_kf``)."""
+@dataclass
+class _Call:
+    """What both forms of a call (:func:`_run`, :func:`hf_rfa.ops.memory_periods.run_periods`)
+    share: the state's buffer and the new keys as one *local* block (local index 0 = absolute
+    position ``pos0``, the oldest pending key; ``L = Lb + n`` keys), scaled inputs, gates, scores
+    and the exact window/sink part of the new queries."""
+
+    b: int
+    h: int
+    n: int
+    hkv: int
+    g: int
+    ct: torch.dtype
+    root: float
+    p0: int
+    pos0: int
+    sink: tuple  # (sink_k, sink_v, sink_pos, sink_exists) after the new tokens joined
+    lk_raw: torch.Tensor  # [B,Hkv,L,D] keys (state dtype)
+    lv_raw: torch.Tensor  # [B,Hkv,L,Dv]
+    lkf_raw: torch.Tensor | None  # [B,Hkv,L,D] feature keys, or None
+    real: torch.Tensor  # [B,L] bool
+    feat: torch.Tensor  # [B,L] bool: real, not a sink (a memory candidate / feature key)
+    xqg: torch.Tensor  # [B,Hkv,G,n,D] queries · √scale (compute dtype)
+    xk: torch.Tensor  # [B,Hkv,L,D] keys · √scale
+    vv: torch.Tensor  # [B,Hkv,L,Dv] values (compute dtype)
+    xqf: torch.Tensor  # [B,H,n,D] the feature part's queries · √scale
+    xkf: torch.Tensor  # [B,Hkv,L,D] the feature part's keys · √scale
+    gated: bool
+    cg: torch.Tensor | None  # [B,Hkv,L] cumulative log gate from the anchor (gated maps)
+    key_lg: torch.Tensor | None  # [B,Hkv,L] log weight of each local key as of the anchor
+    norms: torch.Tensor | None  # [B,Hkv,L] value_norm scores (None: scored by feature_error)
+    exact: Partial | None  # window band + sinks of the n queries
+
+
+def _prepare(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, scale: float, native_band: bool, memory_score: str, fq, fk, chunk_size: int) -> _Call:
+    """The shared set-up of a call (see :func:`_run` for the arguments)."""
     base = state.base
     b, h, n, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    hkv = k.shape[1]
     g = h // hkv
     ct = base.linear.S.dtype
     root = scale**0.5
     dev = q.device
-    memory = state.memory
     null = getattr(feature_map, "null", False)
     p0, lb = base.seen, base.win_k.shape[2]
     pos0 = p0 - lb  # absolute position of local index 0 (the oldest pending key)
@@ -323,12 +357,12 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
     xqf = fq.to(ct) * root if fq is not None else xq  # the feature part's queries and keys
     xkf = lkf_raw.to(ct) * root if fk is not None else xk
     gated = getattr(feature_map, "has_gate", False) and not null
+    cg = key_lg = None
     if gated:  # the state is anchored at local index −1 (the position before the buffer's first key)
         logg, log1mg = feature_map.log_gate(xkf)  # [B,Hkv,L]
         cg = torch.cumsum(logg * real[:, None, :].to(logg.dtype), dim=-1)  # decay from the anchor to j; padding never decays
         key_lg = log1mg - cg  # log weight of local key s as of the anchor
-    by_error = memory_score == "feature_error"
-    norms = None if by_error else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
+    norms = None if memory_score == "feature_error" else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
     xqg = xq.reshape(b, hkv, g, n, d)
 
     exact = None
@@ -342,11 +376,59 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         else:
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
             exact = _exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
+    return _Call(b, h, n, hkv, g, ct, root, p0, pos0, (sink_k, sink_v, sink_pos, sink_exists), lk_raw, lv_raw, lkf_raw, real, feat,
+                 xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact)
 
+
+def _finish(state: MemoryState, c: _Call, total: Partial, linear: LinearState, mem: dict[str, torch.Tensor], lo: int, km: torch.Tensor, eps: float) -> tuple[torch.Tensor, MemoryState]:
+    """Merge the exact part, normalise, and build the new state (buffer from local index ``lo``;
+    a gated state is re-anchored before it)."""
+    base = state.base
+    if c.exact is not None:
+        total = merge(c.exact, total)
+    out = finalize(total, eps).reshape(c.b, c.h, c.n, -1)
+    if c.gated and lo > 0:  # re-anchor the state and the memory's weights at the new buffer's start
+        shift = c.cg[:, :, lo - 1]  # [B,Hkv]
+        linear = decay(linear, shift)
+        mem = {**mem, "lg": mem["lg"] + shift.unsqueeze(-1)}
+    sink_k, sink_v, sink_pos, sink_exists = c.sink
+    new_base = DecodeState(
+        linear=linear,
+        win_k=c.lk_raw[:, :, lo:],
+        win_v=c.lv_raw[:, :, lo:],
+        win_kf=c.lkf_raw[:, :, lo:] if c.lkf_raw is not None else None,
+        win_real=c.real[:, lo:],
+        win_feat=c.feat[:, lo:],
+        win_decay=base.win_decay,
+        sink_k=sink_k,
+        sink_v=sink_v,
+        sink_pos=sink_pos,
+        sink_exists=sink_exists,
+        real_count=base.real_count + km.long().sum(-1),
+        nonfinite=base.nonfinite,
+        seen=c.p0 + c.n,
+    )
+    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem["lg"], mem.get("kf"))
+
+
+def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+    """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
+    bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state), period
+    by period and chunk by chunk (the sequential form; :func:`hf_rfa.ops.memory_periods.run_periods`
+    batches the periods and is checked against it).
+    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule);
+    ``memory_score``: how candidates are ranked (:data:`MEMORY_SCORES`); ``fq``/``fk`` (shapes of
+    q/k, or None): what the feature part reads (the state keeps them: ``MemoryState.mem_kf``)."""
+    c = _prepare(state, q, k, v, km, feature_map, window, sinks, scale, native_band, memory_score, fq, fk, chunk_size)
+    b, hkv, g, n, ct, root, p0, pos0 = c.b, c.hkv, c.g, c.n, c.ct, c.root, c.p0, c.pos0
+    dev = q.device
+    memory = state.memory
+    null = getattr(feature_map, "null", False)
+    by_error = memory_score == "feature_error"
     mem = {"k": state.mem_k, "v": state.mem_v, "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok, "lg": state.mem_lg}
     if fk is not None:
         mem["kf"] = state.mem_kf
-    linear = base.linear
+    linear = state.base.linear
     lo = 0  # local index of the oldest key that is not yet a candidate (the buffer's start)
     parts: list[Partial] = []
     a = p0
@@ -355,20 +437,20 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         if a % memory_every == 0 and a - window - pos0 + 1 > lo:  # refresh: keys [lo, a − W] are new candidates
             hi = a - window - pos0 + 1
             cand = {
-                "k": lk_raw[:, :, lo:hi], "v": lv_raw[:, :, lo:hi],
+                "k": c.lk_raw[:, :, lo:hi], "v": c.lv_raw[:, :, lo:hi],
                 "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),
-                "norm": feature_error(linear, feature_map, xkf[:, :, lo:hi], vv[:, :, lo:hi]).to(ct) if by_error else norms[:, :, lo:hi],
-                "ok": feat[:, None, lo:hi].expand(b, hkv, hi - lo),
-                "lg": key_lg[:, :, lo:hi] if gated else state.mem_lg.new_zeros(b, hkv, hi - lo),
+                "norm": feature_error(linear, feature_map, c.xkf[:, :, lo:hi], c.vv[:, :, lo:hi]).to(ct) if by_error else c.norms[:, :, lo:hi],
+                "ok": c.feat[:, None, lo:hi].expand(b, hkv, hi - lo),
+                "lg": c.key_lg[:, :, lo:hi] if c.gated else state.mem_lg.new_zeros(b, hkv, hi - lo),
             }
             if fk is not None:
-                cand["kf"] = lkf_raw[:, :, lo:hi]
+                cand["kf"] = c.lkf_raw[:, :, lo:hi]
             fname = "kf" if fk is not None else "k"
             folded = {name: torch.cat([mem[name], cand[name]], dim=2) for name in (fname, "v", "lg")}
             mem, out_mask = _select(mem, cand, memory)
             if not null:  # the keys not chosen enter the feature state for good
                 kf, lkf = _features(feature_map, folded[fname].to(ct) * root, False, hkv)
-                if gated:  # each key enters with its weight as of the anchor
+                if c.gated:  # each key enters with its weight as of the anchor
                     lkf = folded["lg"] if lkf is None else lkf + folded["lg"]
                 kf = kf * out_mask.unsqueeze(-1)
                 if lkf is not None:
@@ -379,50 +461,37 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
         for c0 in range(a, end, chunk_size):
             c1 = min(end, c0 + chunk_size)
             qi = slice(c0 - p0, c1 - p0)
-            part = _memory_part(xqg[:, :, :, qi], mk, mv, mem["ok"])
+            part = _memory_part(c.xqg[:, :, :, qi], mk, mv, mem["ok"])
             if not null:
-                qf, lq = _features(feature_map, xqf[:, :, qi], True, hkv)
-                if gated:  # the decay from the anchor to each query
-                    qg = cg[:, :, c0 - pos0 : c1 - pos0].unsqueeze(2).expand(b, hkv, g, c1 - c0)
+                qf, lq = _features(feature_map, c.xqf[:, :, qi], True, hkv)
+                if c.gated:  # the decay from the anchor to each query
+                    qg = c.cg[:, :, c0 - pos0 : c1 - pos0].unsqueeze(2).expand(b, hkv, g, c1 - c0)
                     lq = qg if lq is None else lq + qg
                 part = merge(part, read(linear, qf, lq))
                 top = c1 - window - pos0  # pending keys of this chunk: local [lo, top), s <= t − W
                 if top > lo:
-                    kf, lkf = _features(feature_map, xkf[:, :, lo:top], False, hkv)
-                    if gated:
-                        lkf = key_lg[:, :, lo:top] if lkf is None else lkf + key_lg[:, :, lo:top]
+                    kf, lkf = _features(feature_map, c.xkf[:, :, lo:top], False, hkv)
+                    if c.gated:
+                        lkf = c.key_lg[:, :, lo:top] if lkf is None else lkf + c.key_lg[:, :, lo:top]
                     t = torch.arange(c0, c1, device=dev).view(-1, 1)
                     s = torch.arange(pos0 + lo, pos0 + top, device=dev).view(1, -1)
-                    vis = (s <= t - window).unsqueeze(0) & feat[:, None, lo:top]  # [B,C,P]
-                    part = merge(part, _pending_part(qf, lq, kf, lkf, vv[:, :, lo:top], vis))
+                    vis = (s <= t - window).unsqueeze(0) & c.feat[:, None, lo:top]  # [B,C,P]
+                    part = merge(part, _pending_part(qf, lq, kf, lkf, c.vv[:, :, lo:top], vis))
             parts.append(part)
         a = end
     total = Partial(torch.cat([p.num for p in parts], dim=-2), torch.cat([p.den for p in parts], dim=-1), torch.cat([p.log_scale for p in parts], dim=-1))
-    if exact is not None:
-        total = merge(exact, total)
-    out = finalize(total, feature_map.eps).reshape(b, h, n, dv)
-    if gated and lo > 0:  # re-anchor the state and the memory's weights at the new buffer's start
-        shift = cg[:, :, lo - 1]  # [B,Hkv]
-        linear = decay(linear, shift)
-        mem["lg"] = mem["lg"] + shift.unsqueeze(-1)
+    return _finish(state, c, total, linear, mem, lo, km, feature_map.eps)
 
-    new_base = DecodeState(
-        linear=linear,
-        win_k=lk_raw[:, :, lo:],
-        win_v=lv_raw[:, :, lo:],
-        win_kf=lkf_raw[:, :, lo:] if lkf_raw is not None else None,
-        win_real=real[:, lo:],
-        win_feat=feat[:, lo:],
-        win_decay=base.win_decay,
-        sink_k=sink_k,
-        sink_v=sink_v,
-        sink_pos=sink_pos,
-        sink_exists=sink_exists,
-        real_count=base.real_count + km.long().sum(-1),
-        nonfinite=base.nonfinite,
-        seen=p0 + n,
-    )
-    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem["lg"], mem.get("kf"))
+
+def _dispatch(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+    """:func:`_run`'s arguments → its result, by the period-parallel form
+    (:func:`hf_rfa.ops.memory_periods.run_periods`) for calls of more than one period's tokens
+    and by the sequential form for shorter ones (decoding steps)."""
+    if q.shape[2] > memory_every:
+        from .memory_periods import run_periods  # it builds on this module's helpers
+
+        return run_periods(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
+    return _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
 
 
 def memory_attention(
@@ -460,7 +529,7 @@ def memory_attention(
             feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
-    out, _ = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, feature_q, feature_k)
+    out, _ = _dispatch(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, feature_q, feature_k)
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
 
 
@@ -543,7 +612,7 @@ def continue_memory_attention(
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
     if feature_q is not None:  # un-rotated q/k are non-finite where q/k are (poisoned above): kept out of the state
         feature_q, feature_k = (torch.where(torch.isfinite(x), x, torch.zeros_like(x)) for x in (feature_q, feature_k))
-    out, new = _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score, fq=feature_q, fk=feature_k)
+    out, new = _dispatch(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score, fq=feature_q, fk=feature_k)
     new = replace(new, base=replace(new.base, nonfinite=nonfinite))
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))

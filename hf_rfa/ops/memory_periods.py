@@ -1,0 +1,192 @@
+"""The exact memory's period-parallel form: :func:`hf_rfa.ops.memory._run` with the queries'
+work batched over refresh periods (issue 13's speed guard).
+
+The sequential form answers each period of ``E = memory_every`` queries with ~20 small ops
+(select, fold, features of the pending keys, memory scores, state read, pending scores) — at
+16,384 tokens 256 periods per layer, which made the memory path cost as much as the rest of the
+model. This form splits a call in two:
+
+1. **Choose** (sequential, per refresh, small): the features of every key are computed once; at
+   each refresh the candidates are scored (``feature_error`` reads the current state), the top-M
+   is chosen by index, and the keys not chosen are folded into the state. It records, for every
+   period, the memory (indices into ``pool`` = the state's M memory slots followed by the call's
+   L local keys) and the feature state after its refresh (``[B, Hkv, P, F, Dv]``).
+2. **Answer** (batched over periods, in blocks of ``PERIOD_BLOCK`` periods): the memory part is
+   one ``[P, G·E, M]`` product, the state read one ``[P, G·E, F] × [P, F, Dv]`` product, the
+   pending keys (those that left the window since the period's refresh: at most E) one
+   ``[P, G·E, E]`` product — each with the same terms, masks and per-row scales as the sequential
+   form.
+
+Same outputs (up to float rounding: sums are grouped differently) and the same final state, so
+a prefill by this form continues by cached decoding exactly as before; the sequential form stays
+the twin (``tests/ops/test_memory_periods.py``). Autograd flows as in the sequential form (the
+choice of indices is not differentiable; q, k, v of every term are).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masks import NEG
+from .memory import MemoryState, _features, _finish, _gather, _prepare, _select, _weights, recall_error
+from .partial import Partial, merge
+from .recurrent import LinearState, fold
+
+#: periods answered at once in step 2 (bounds its intermediates: ~PERIOD_BLOCK·E·H·(M + F + E) floats)
+PERIOD_BLOCK = 32
+
+
+def _pool_gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x ``[B, Hkv, K, ·]`` or ``[B, Hkv, K]`` at idx ``[B, Hkv, P, J]`` → ``[B, Hkv, P, J, ·]`` / ``[B, Hkv, P, J]``."""
+    b, hkv, p, j = idx.shape
+    flat = idx.reshape(b, hkv, p * j)
+    if x.dim() == 3:
+        return torch.gather(x, 2, flat).view(b, hkv, p, j)
+    return torch.gather(x, 2, flat.unsqueeze(-1).expand(b, hkv, p * j, x.shape[-1])).view(b, hkv, p, j, x.shape[-1])
+
+
+def _by_period(x: torch.Tensor, off: int, periods: int, e: int) -> torch.Tensor:
+    """Per-query rows ``[B, Hkv, G, n, ·]`` → ``[B, Hkv, P, G·E, ·]`` (query t at slot t mod E of
+    its period; ``off`` empty slots before the first query, zeros after the last)."""
+    b, hkv, g, n = x.shape[:4]
+    tail = x.shape[4:]
+    pad = x.new_zeros(b, hkv, g, periods * e, *tail)
+    pad[:, :, :, off : off + n] = x
+    pad = pad.view(b, hkv, g, periods, e, *tail).transpose(2, 3)
+    return pad.reshape(b, hkv, periods, g * e, *tail)
+
+
+def _from_period(x: torch.Tensor, g: int, off: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`_by_period` for ``[B, Hkv, P, G·E, ·]`` → ``[B, Hkv, G, n, ·]``."""
+    b, hkv, periods, ge = x.shape[:4]
+    tail = x.shape[4:]
+    e = ge // g
+    y = x.view(b, hkv, periods, g, e, *tail).transpose(2, 3).reshape(b, hkv, g, periods * e, *tail)
+    return y[:, :, :, off : off + n]
+
+
+def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+    """:func:`hf_rfa.ops.memory._run` (same arguments, outputs and final state) with the queries'
+    work batched over refresh periods (module docstring)."""
+    c = _prepare(state, q, k, v, km, feature_map, window, sinks, scale, native_band, memory_score, fq, fk, chunk_size)
+    b, hkv, g, n, ct, root, p0, pos0 = c.b, c.hkv, c.g, c.n, c.ct, c.root, c.p0, c.pos0
+    dev = q.device
+    memory, e = state.memory, memory_every
+    null = getattr(feature_map, "null", False)
+    by_error = memory_score == "feature_error"
+    nloc = c.lk_raw.shape[2]
+
+    # pool = the state's memory slots [0, M) then the local keys [M, M + L)
+    pool = {
+        "k": torch.cat([state.mem_k, c.lk_raw], dim=2),
+        "v": torch.cat([state.mem_v, c.lv_raw], dim=2),
+        "lg": torch.cat([state.mem_lg, c.key_lg if c.gated else state.mem_lg.new_zeros(b, hkv, nloc)], dim=2),
+    }
+    if fk is not None:
+        pool["kf"] = torch.cat([state.mem_kf, c.lkf_raw], dim=2)
+    pool_v = pool["v"].to(ct)
+    kf_pool = lk_pool = None
+    if not null:  # every key's features once (memory slots included: a displaced one is folded)
+        kf_pool, lk_pool = _features(feature_map, pool["kf" if fk is not None else "k"].to(ct) * root, False, hkv)
+        if c.gated:
+            lk_pool = pool["lg"] if lk_pool is None else lk_pool + pool["lg"]
+
+    # 1. choose: per refresh, the memory (pool indices) and the state after it
+    sel = {"idx": torch.arange(memory, device=dev).expand(b, hkv, memory), "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
+    linear = state.base.linear
+    lo = 0
+    j0, j1 = p0 // e, (p0 + n - 1) // e
+    periods = j1 - j0 + 1
+    mem_idx, mem_ok, los, states = [], [], [], []
+    for j in range(j0, j1 + 1):
+        a = max(p0, j * e)
+        if a % e == 0 and a - window - pos0 + 1 > lo:  # refresh: local keys [lo, hi) are new candidates
+            hi = a - window - pos0 + 1
+            cidx = torch.arange(memory + lo, memory + hi, device=dev).expand(b, hkv, hi - lo)
+            cand = {
+                "idx": cidx,
+                "pos": torch.arange(pos0 + lo, pos0 + hi, device=dev).expand(b, hkv, hi - lo),
+                "norm": recall_error(linear, kf_pool[:, :, memory + lo : memory + hi], c.vv[:, :, lo:hi]).to(ct) if by_error else c.norms[:, :, lo:hi],
+                "ok": c.feat[:, None, lo:hi].expand(b, hkv, hi - lo),
+            }
+            both_idx = torch.cat([sel["idx"], cidx], dim=2)
+            sel, out_mask = _select(sel, cand, memory)
+            if not null:  # the keys not chosen enter the feature state for good
+                kf = _gather(kf_pool, both_idx) * out_mask.unsqueeze(-1)
+                lkf = None
+                if lk_pool is not None:
+                    lkf = torch.where(out_mask, _gather(lk_pool, both_idx), torch.full(out_mask.shape, NEG, dtype=ct, device=dev))
+                linear = fold(linear, kf, lkf, _gather(pool_v, both_idx))
+            lo = hi
+        mem_idx.append(sel["idx"])
+        mem_ok.append(sel["ok"])
+        los.append(lo)
+        states.append(linear)
+
+    # 2. answer: every period's queries at once, in blocks of periods
+    off = p0 - j0 * e
+    xq_p = _by_period(c.xqg, off, periods, e)  # [B,Hkv,P,G·E,D]
+    pk = pool["k"].to(ct) * root
+    if not null:
+        qf, lq = _features(feature_map, c.xqf, True, hkv)  # [B,Hkv,G,n,F], [B,Hkv,G,n] | None
+        if c.gated:  # the decay from the anchor to each query
+            qg = c.cg[:, :, p0 - pos0 :].unsqueeze(2).expand(b, hkv, g, n)
+            lq = qg if lq is None else lq + qg
+        qf_p = _by_period(qf, off, periods, e)
+        lq_p = _by_period(lq.unsqueeze(-1), off, periods, e).squeeze(-1) if lq is not None else None
+        # pending keys of period j: local [lo_j, lo_j + width), visible to query t iff s ≤ t − W
+        width = max(1, max(min(p0 + n, (j + 1) * e) - window - pos0 - l for j, l in zip(range(j0, j1 + 1), los)))
+        t_abs = torch.arange(j0 * e, (j1 + 1) * e, device=dev).view(periods, e)
+        t_ok = (t_abs >= p0) & (t_abs < p0 + n)
+        lo_t = torch.tensor(los, device=dev).view(periods, 1)
+        s_loc = lo_t + torch.arange(width, device=dev).view(1, width)  # [P,width] local index
+        s_ok = s_loc < nloc
+        s_loc = s_loc.clamp_max(nloc - 1)
+    parts = []
+    for p_lo in range(0, periods, PERIOD_BLOCK):
+        p_hi = min(periods, p_lo + PERIOD_BLOCK)
+        pp = p_hi - p_lo
+        xq_b = xq_p[:, :, p_lo:p_hi]
+        idx = torch.stack(mem_idx[p_lo:p_hi], dim=2)  # [B,Hkv,pp,M]
+        ok = torch.stack(mem_ok[p_lo:p_hi], dim=2)
+        scores = xq_b @ _pool_gather(pk, idx).transpose(-1, -2)  # [B,Hkv,pp,G·E,M]
+        w, r = _weights(scores, ok.unsqueeze(-2))
+        part = Partial(w @ _pool_gather(pool_v, idx), w.sum(-1), r)
+        if not null:
+            blk = states[p_lo:p_hi]
+            qf_b = qf_p[:, :, p_lo:p_hi]
+            S = torch.stack([st.S for st in blk], dim=2)  # [B,Hkv,pp,F,Dv]
+            z = torch.stack([st.z for st in blk], dim=2)
+            ref = torch.stack([st.ref for st in blk], dim=2)  # [B,Hkv,pp]
+            ls = ref.unsqueeze(-1).expand(b, hkv, pp, g * e)
+            if lq_p is not None:
+                ls = ls + lq_p[:, :, p_lo:p_hi]
+            part = merge(part, Partial(qf_b @ S, (qf_b @ z.unsqueeze(-1)).squeeze(-1), ls))
+            # pending keys
+            sl = s_loc[p_lo:p_hi]  # [pp,width]
+            sidx = (sl + memory).expand(b, hkv, pp, width)
+            kf = _pool_gather(kf_pool, sidx)  # [B,Hkv,pp,width,F]
+            vis = (sl.unsqueeze(1) + pos0 <= t_abs[p_lo:p_hi].unsqueeze(-1) - window) & s_ok[p_lo:p_hi].unsqueeze(1) & t_ok[p_lo:p_hi].unsqueeze(-1)  # [pp,E,width]
+            vis = vis.unsqueeze(0) & c.feat[:, sl].unsqueeze(2)  # [B,pp,E,width]
+            dot = (qf_b @ kf.transpose(-1, -2)).view(b, hkv, pp, g, e, width)
+            vis5 = vis[:, None]  # [B,1,pp,E,width]
+            if lk_pool is not None:
+                lk = _pool_gather(lk_pool, sidx)  # [B,Hkv,pp,width]
+                wk, rk = _weights(lk.unsqueeze(-2).expand(b, hkv, pp, e, width), vis5)  # [B,Hkv,pp,E,width], [B,Hkv,pp,E]
+                pls = rk.unsqueeze(3).expand(b, hkv, pp, g, e).reshape(b, hkv, pp, g * e)
+            else:
+                wk = vis5.to(dot.dtype).expand(b, hkv, pp, e, width)
+                pls = dot.new_zeros(b, hkv, pp, g * e)
+            aa = (dot * wk.unsqueeze(3)).view(b, hkv, pp, g * e, width)
+            if lq_p is not None:
+                pls = pls + lq_p[:, :, p_lo:p_hi]
+            part = merge(part, Partial(aa @ _pool_gather(pool_v, sidx), aa.sum(-1), pls))
+        parts.append(part)
+    total = Partial(*(torch.cat([getattr(p, f) for p in parts], dim=2) for f in ("num", "den", "log_scale")))
+    total = Partial(_from_period(total.num, g, off, n), _from_period(total.den.unsqueeze(-1), g, off, n).squeeze(-1), _from_period(total.log_scale.unsqueeze(-1), g, off, n).squeeze(-1))
+
+    final = {"ok": sel["ok"], "pos": sel["pos"], "norm": sel["norm"], **{name: _gather(x, sel["idx"]) for name, x in pool.items()}}
+    return _finish(state, c, total, linear, final, lo, km, feature_map.eps)
+
+
+__all__ = ["PERIOD_BLOCK", "run_periods"]
