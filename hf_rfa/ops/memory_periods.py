@@ -26,6 +26,7 @@ choice of indices is not differentiable; q, k, v of every term are).
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from .masks import NEG
 from .memory import MemoryState, _features, _finish, _gather, _prepare, _select, _weights, recall_error
@@ -63,6 +64,46 @@ def _from_period(x: torch.Tensor, g: int, off: int, n: int) -> torch.Tensor:
     e = ge // g
     y = x.view(b, hkv, periods, g, e, *tail).transpose(2, 3).reshape(b, hkv, g, periods * e, *tail)
     return y[:, :, :, off : off + n]
+
+
+def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_pool=None, lk_pool=None, S=None, z=None, ref=None, sidx=None, vis=None):
+    """The Partial ``(num, den, log_scale)`` of a block of pp periods' query slots
+    ``[B, Hkv, pp, G·E, ·]``: the memory's exact terms, then (maps with features) the state read and
+    the pending keys, merged in the sequential form's order.
+
+    xq ``[B, Hkv, pp, G·E, D]`` queries · √scale; idx / ok ``[B, Hkv, pp, M]`` each period's memory
+    (pool indices, filled); pk / pool_v ``[B, Hkv, K, D|Dv]`` the pool's keys · √scale and values;
+    qf ``[B, Hkv, pp, G·E, F]``, lq ``[B, Hkv, pp, G·E]`` or None; kf_pool ``[B, Hkv, K, F]``, lk_pool
+    ``[B, Hkv, K]`` or None; S ``[B, Hkv, pp, F, Dv]``, z ``[B, Hkv, pp, F]``, ref ``[B, Hkv, pp]`` the
+    state after each period's refresh; sidx ``[pp, width]`` the pending keys' pool indices, vis
+    ``[B, pp, E, width]`` pending key visible to the query slot."""
+    b, hkv, pp, ge, _ = xq.shape
+    scores = xq @ _pool_gather(pk, idx).transpose(-1, -2)  # [B,Hkv,pp,G·E,M]
+    w, r = _weights(scores, ok.unsqueeze(-2))
+    part = Partial(w @ _pool_gather(pool_v, idx), w.sum(-1), r)
+    if qf is None:
+        return part.num, part.den, part.log_scale
+    ls = ref.unsqueeze(-1).expand(b, hkv, pp, ge)
+    if lq is not None:
+        ls = ls + lq
+    part = merge(part, Partial(qf @ S, (qf @ z.unsqueeze(-1)).squeeze(-1), ls))
+    width = sidx.shape[-1]
+    sidx = sidx.expand(b, hkv, pp, width)
+    kf = _pool_gather(kf_pool, sidx)  # [B,Hkv,pp,width,F]
+    dot = (qf @ kf.transpose(-1, -2)).view(b, hkv, pp, g, e, width)
+    vis5 = vis[:, None]  # [B,1,pp,E,width]
+    if lk_pool is not None:
+        lk = _pool_gather(lk_pool, sidx)  # [B,Hkv,pp,width]
+        wk, rk = _weights(lk.unsqueeze(-2).expand(b, hkv, pp, e, width), vis5)  # [B,Hkv,pp,E,width], [B,Hkv,pp,E]
+        pls = rk.unsqueeze(3).expand(b, hkv, pp, g, e).reshape(b, hkv, pp, ge)
+    else:
+        wk = vis5.to(dot.dtype).expand(b, hkv, pp, e, width)
+        pls = dot.new_zeros(b, hkv, pp, ge)
+    aa = (dot * wk.unsqueeze(3)).view(b, hkv, pp, ge, width)
+    if lq is not None:
+        pls = pls + lq
+    part = merge(part, Partial(aa @ _pool_gather(pool_v, sidx), aa.sum(-1), pls))
+    return part.num, part.den, part.log_scale
 
 
 def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
@@ -142,46 +183,23 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks
         s_loc = lo_t + torch.arange(width, device=dev).view(1, width)  # [P,width] local index
         s_ok = s_loc < nloc
         s_loc = s_loc.clamp_max(nloc - 1)
+    ckpt = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *(() if null else (kf_pool,))))
     parts = []
     for p_lo in range(0, periods, PERIOD_BLOCK):
         p_hi = min(periods, p_lo + PERIOD_BLOCK)
-        pp = p_hi - p_lo
-        xq_b = xq_p[:, :, p_lo:p_hi]
-        idx = torch.stack(mem_idx[p_lo:p_hi], dim=2)  # [B,Hkv,pp,M]
-        ok = torch.stack(mem_ok[p_lo:p_hi], dim=2)
-        scores = xq_b @ _pool_gather(pk, idx).transpose(-1, -2)  # [B,Hkv,pp,G·E,M]
-        w, r = _weights(scores, ok.unsqueeze(-2))
-        part = Partial(w @ _pool_gather(pool_v, idx), w.sum(-1), r)
+        args = [xq_p[:, :, p_lo:p_hi], torch.stack(mem_idx[p_lo:p_hi], dim=2), torch.stack(mem_ok[p_lo:p_hi], dim=2), pk, pool_v]
         if not null:
             blk = states[p_lo:p_hi]
-            qf_b = qf_p[:, :, p_lo:p_hi]
-            S = torch.stack([st.S for st in blk], dim=2)  # [B,Hkv,pp,F,Dv]
-            z = torch.stack([st.z for st in blk], dim=2)
-            ref = torch.stack([st.ref for st in blk], dim=2)  # [B,Hkv,pp]
-            ls = ref.unsqueeze(-1).expand(b, hkv, pp, g * e)
-            if lq_p is not None:
-                ls = ls + lq_p[:, :, p_lo:p_hi]
-            part = merge(part, Partial(qf_b @ S, (qf_b @ z.unsqueeze(-1)).squeeze(-1), ls))
-            # pending keys
+            args += [qf_p[:, :, p_lo:p_hi], lq_p[:, :, p_lo:p_hi] if lq_p is not None else None, kf_pool, lk_pool,
+                     torch.stack([st.S for st in blk], dim=2), torch.stack([st.z for st in blk], dim=2), torch.stack([st.ref for st in blk], dim=2)]
             sl = s_loc[p_lo:p_hi]  # [pp,width]
-            sidx = (sl + memory).expand(b, hkv, pp, width)
-            kf = _pool_gather(kf_pool, sidx)  # [B,Hkv,pp,width,F]
             vis = (sl.unsqueeze(1) + pos0 <= t_abs[p_lo:p_hi].unsqueeze(-1) - window) & s_ok[p_lo:p_hi].unsqueeze(1) & t_ok[p_lo:p_hi].unsqueeze(-1)  # [pp,E,width]
-            vis = vis.unsqueeze(0) & c.feat[:, sl].unsqueeze(2)  # [B,pp,E,width]
-            dot = (qf_b @ kf.transpose(-1, -2)).view(b, hkv, pp, g, e, width)
-            vis5 = vis[:, None]  # [B,1,pp,E,width]
-            if lk_pool is not None:
-                lk = _pool_gather(lk_pool, sidx)  # [B,Hkv,pp,width]
-                wk, rk = _weights(lk.unsqueeze(-2).expand(b, hkv, pp, e, width), vis5)  # [B,Hkv,pp,E,width], [B,Hkv,pp,E]
-                pls = rk.unsqueeze(3).expand(b, hkv, pp, g, e).reshape(b, hkv, pp, g * e)
-            else:
-                wk = vis5.to(dot.dtype).expand(b, hkv, pp, e, width)
-                pls = dot.new_zeros(b, hkv, pp, g * e)
-            aa = (dot * wk.unsqueeze(3)).view(b, hkv, pp, g * e, width)
-            if lq_p is not None:
-                pls = pls + lq_p[:, :, p_lo:p_hi]
-            part = merge(part, Partial(aa @ _pool_gather(pool_v, sidx), aa.sum(-1), pls))
-        parts.append(part)
+            args += [sl + memory, vis.unsqueeze(0) & c.feat[:, sl].unsqueeze(2)]  # pool indices, [B,pp,E,width]
+        if ckpt:  # training: keep the block's inputs only, recompute its scores in backward
+            out = torch.utils.checkpoint.checkpoint(_answer_block, g, e, *args, use_reentrant=False)
+        else:
+            out = _answer_block(g, e, *args)
+        parts.append(Partial(*out))
     total = Partial(*(torch.cat([getattr(p, f) for p in parts], dim=2) for f in ("num", "den", "log_scale")))
     total = Partial(_from_period(total.num, g, off, n), _from_period(total.den.unsqueeze(-1), g, off, n).squeeze(-1), _from_period(total.log_scale.unsqueeze(-1), g, off, n).squeeze(-1))
 
