@@ -11,8 +11,8 @@
    4096 (token budgets: the 30-min limits are only safety limits that fail the run);
 3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
    every other key dropped, its own LoRA with the same budget), the strongest trivial baseline;
-4. switches on an **exact memory** of 128 keys per kv head after training (``--memory-after-training
-   128``, :func:`hf_rfa.set_memory`; it has no parameters): in the recipe the features choose it —
+4. switches on an **exact memory** of 256 keys per kv head after training (``--memory-after-training
+   256``, :func:`hf_rfa.set_memory`; it has no parameters; 128 in session 16): in the recipe the features choose it —
    the keys whose value the feature state recalls worst (``--memory-score feature_error``) — in the
    window-only baseline (no features) the keys with the largest ‖v‖; both are evaluated again and the
    published model keeps its memory. (The equal-decode-state window-only 128 baseline of sessions
@@ -42,7 +42,7 @@ import time
 DEFAULT = [
     "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4", "--decay", "128",
     "--feature-input", "unrotated", "--transfer-tokens", "131072", "--transfer-query-blocks", "4", "--transfer-minutes", "30", "--no-evaluate-before-transfer",
-    "--memory-after-training", "128", "--memory-score", "feature_error", "--no-baselines",
+    "--memory-after-training", "256", "--memory-score", "feature_error", "--no-baselines",
     "--context", "1024", "--lora-tokens", "32768", "--lora-context", "4096", "--lora-minutes", "30",
     "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",
     "--copy-gaps", "512", "3584", "--copy-draws", "2", "--passkey-lengths", "1024", "--passkey-trials", "4",

@@ -55,7 +55,10 @@ Scope: causal only; refresh positions are absolute positions (padding
 included), like the window, so a left-padded row refreshes at other token counts than the same
 row unpadded. The selection is a non-differentiable choice of indices; gradients flow through
 q, k, v of the chosen keys. Runs plain PyTorch (autograd and inference alike) whatever the
-backend; ``checkpoint_blocks`` does not apply.
+backend; ``checkpoint_blocks`` does not apply. Calls of more than one period (prefill, long chunks)
+run the period-parallel form :func:`hf_rfa.ops.memory_periods.run_periods` (choose sequentially,
+answer every period's queries batched; under autograd it recomputes each block of periods in
+backward); decoding steps run :func:`_run`, its twin.
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from .masks import NEG
+from .masks import NEG, exp_floor
 from .memory import MemoryState, _features, _finish, _gather, _prepare, _select, _weights, recall_error
 from .partial import Partial, merge
 from .recurrent import LinearState, fold
 
 #: periods answered at once in step 2 (bounds its intermediates: ~PERIOD_BLOCK·E·H·(M + F + E) floats)
-PERIOD_BLOCK = 32
+PERIOD_BLOCK = 8
 
 
 def _pool_gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -66,6 +66,25 @@ def _from_period(x: torch.Tensor, g: int, off: int, n: int) -> torch.Tensor:
     return y[:, :, :, off : off + n]
 
 
+def _exact_terms(xq: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax terms ``(num, den, row max)`` of queries ``xq [..., R, D]`` over keys ``[..., K, D]``
+    (values ``[..., K, Dv]``) where ``ok [..., 1 | R, K]``: :func:`memory._weights`'s terms. Without
+    autograd the weights are formed in place in the scores (no [R, K] temporaries; the masks are
+    skipped when every key is valid) — the same values."""
+    scores = xq @ keys.transpose(-1, -2)
+    if torch.is_grad_enabled() and (xq.requires_grad or keys.requires_grad or vals.requires_grad):
+        w, r = _weights(scores, ok)
+        return w @ vals, w.sum(-1), r
+    full = bool(ok.all())
+    if not full:
+        scores.masked_fill_(~ok, NEG)
+    r = scores.amax(-1, keepdim=True)
+    scores.sub_(r).clamp_(min=exp_floor(scores.dtype)).exp_()
+    if not full:
+        scores.masked_fill_(~ok, 0.0)
+    return scores @ vals, scores.sum(-1), r.squeeze(-1)
+
+
 def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_pool=None, lk_pool=None, S=None, z=None, ref=None, sidx=None, vis=None):
     """The Partial ``(num, den, log_scale)`` of a block of pp periods' query slots
     ``[B, Hkv, pp, G·E, ·]``: the memory's exact terms, then (maps with features) the state read and
@@ -78,9 +97,7 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     state after each period's refresh; sidx ``[pp, width]`` the pending keys' pool indices, vis
     ``[B, pp, E, width]`` pending key visible to the query slot."""
     b, hkv, pp, ge, _ = xq.shape
-    scores = xq @ _pool_gather(pk, idx).transpose(-1, -2)  # [B,Hkv,pp,G·E,M]
-    w, r = _weights(scores, ok.unsqueeze(-2))
-    part = Partial(w @ _pool_gather(pool_v, idx), w.sum(-1), r)
+    part = Partial(*_exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2)))
     if qf is None:
         return part.num, part.den, part.log_scale
     ls = ref.unsqueeze(-1).expand(b, hkv, pp, ge)
@@ -99,7 +116,8 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     else:
         wk = vis5.to(dot.dtype).expand(b, hkv, pp, e, width)
         pls = dot.new_zeros(b, hkv, pp, ge)
-    aa = (dot * wk.unsqueeze(3)).view(b, hkv, pp, ge, width)
+    grad = torch.is_grad_enabled() and (dot.requires_grad or wk.requires_grad)
+    aa = (dot * wk.unsqueeze(3) if grad else dot.mul_(wk.unsqueeze(3))).view(b, hkv, pp, ge, width)  # in place without autograd
     if lq is not None:
         pls = pls + lq
     part = merge(part, Partial(aa @ _pool_gather(pool_v, sidx), aa.sum(-1), pls))

@@ -48,7 +48,7 @@ def test_main_job_flags_give_the_expected_config():
     expected = ConversionConfig(
         model="m", output="o", calibration_text="c", eval_text="e",
         rfa=RFAConfig(feature_map="hedgehog", num_features=64, window=64, sinks=4, seed=0, decay=128.0, feature_input="unrotated", memory_score="feature_error"),
-        baselines=False, transfer_tokens=131072, transfer_query_blocks=4, transfer_minutes=30.0, evaluate_before_transfer=False, memory_after_training=128,
+        baselines=False, transfer_tokens=131072, transfer_query_blocks=4, transfer_minutes=30.0, evaluate_before_transfer=False, memory_after_training=256,
         context=1024, lora_tokens=32768, lora_context=4096, lora_minutes=30.0, eval_contexts=[1024, 4096, 8192],
         eval_tokens=4096, error_tokens=1024, eval_twin_max=0, copy_gaps=[512, 3584], copy_draws=2,
         passkey_lengths=[1024], passkey_trials=4,

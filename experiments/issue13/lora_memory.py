@@ -1,0 +1,96 @@
+"""Issue 13 probe (session 17): train the LoRA *with* the exact memory switched on, instead of adding
+the memory after training (the main job's ``--memory-after-training``), and a larger memory.
+
+Arms, each the main job's LoRA (32,768 tokens at context 4096, stream seed 7, r 8, lr 1e-3, the
+run's autocast rule) on a fresh copy of SmolLM2-135M-Instruct:
+
+- ``recipe``: the main job's recipe (Hedgehog m=64 + window 64 + 4 sinks + decay 128, un-rotated
+  feature inputs, hybrid mix) with its feature maps taken from a finished run (``--maps``: the
+  ``.rfa.`` tensors of its model.safetensors — LoRA does not train them, so they are the maps after
+  attention transfer) and memory ``--train-memory`` ranked by ``feature_error`` during the LoRA;
+- ``baseline``: window-only W64 + 4 sinks + the same memory ranked by ‖v‖ during its LoRA;
+- ``published``: no training — the finished run's model itself (``--published``; its LoRA ran
+  without memory).
+
+After training each arm is evaluated with each memory size of ``--eval-memory`` switched on
+(``hf_rfa.set_memory``; the recipe and the published model rank by ``feature_error``, the
+baseline by ‖v‖) like the main job: copy @512 (--draws draws), passkey at --passkey-length
+(--trials per depth), perplexity @1024 / @4096 (4,096 eval tokens). JSON lines to --out.
+
+    PYTHONPATH=. NT=2 .venv/bin/python experiments/issue13/lora_memory.py --maps <run>/out/smollm2-135m-rfa
+"""
+
+import argparse
+import copy
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import hf_rfa
+from hf_rfa import assets
+from hf_rfa.recipes import evaluation, long_range
+from hf_rfa.recipes.conversion import precision, transfer
+from hf_rfa.recipes.conversion.loading import load_model
+
+p = argparse.ArgumentParser()
+p.add_argument("--maps", required=True, help="a run's output folder (model.safetensors with the transferred maps)")
+p.add_argument("--arms", default="recipe,baseline")
+p.add_argument("--train-memory", type=int, default=128, help="memory during the LoRA (0: none, as in the main job)")
+p.add_argument("--eval-memory", default="128,256", help="memory sizes switched on (hf_rfa.set_memory) for the evaluations after training")
+p.add_argument("--published", default=None, help="arm 'published': evaluate this finished run's model (no training)")
+p.add_argument("--lora-tokens", type=int, default=32768)
+p.add_argument("--lora-context", type=int, default=4096)
+p.add_argument("--draws", type=int, default=2)
+p.add_argument("--trials", type=int, default=4)
+p.add_argument("--passkey-length", type=int, default=1024)
+p.add_argument("--contexts", default="1024,4096")
+p.add_argument("--out", default=str(Path(__file__).with_name("lora_memory.jsonl")))
+a = p.parse_args()
+torch.set_num_threads(int(os.environ.get("NT", "2")))
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+base, tok, _ = load_model(str(assets.smollm2_path()))
+ids = {s: evaluation.tokenize(tok, evaluation.load_text(str(assets.wikipedia_text_file(s)))) for s in ("train", "eval")}
+maps = {k: v for k, v in load_file(str(Path(a.maps) / "model.safetensors")).items() if ".rfa." in k}
+for arm in a.arms.split(","):
+    t0 = time.time()
+    model = copy.deepcopy(base)
+    if arm == "recipe":
+        cfg = hf_rfa.RFAConfig(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated",
+                               feature_map_options={"hybrid_mix": True}, memory=a.train_memory, memory_score="feature_error")
+        hf_rfa.convert(model, cfg)
+        missing, unexpected = model.load_state_dict(maps, strict=False)
+        assert not unexpected and not [k for k in missing if ".rfa." in k], (unexpected, missing)
+    elif arm == "baseline":
+        hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="none", window=64, sinks=4, memory=a.train_memory, memory_score="value_norm"))
+    elif arm == "published":
+        model, _, _ = load_model(a.published)
+    else:
+        raise ValueError(f"--arms: recipe, baseline or published, got {arm!r}")
+    lora = None
+    if arm != "published":
+        stream = evaluation.shuffled_batches(ids["train"], a.lora_context, 1, 0 + 7)  # the main job's LoRA stream (seed 0 + 7)
+        autocast = precision.resolve_autocast("auto", torch.device("cpu"))
+        model, res = transfer.lora_finetune(model, stream, a.lora_tokens, lr=1e-3, r=8, progress=False, autocast=autocast)
+        lora = {**res.as_dict(), "autocast": str(autocast)}
+    model.eval()
+    score = "value_norm" if arm == "baseline" else "feature_error"
+    for mem in (int(x) for x in a.eval_memory.split(",")):
+        t1 = time.time()
+        hf_rfa.set_memory(model, mem, 64, score)
+        row = {"arm": arm, "train_memory": 0 if arm == "published" else a.train_memory, "eval_memory": mem, "score": score, "maps": a.maps, "lora": lora}
+        with torch.no_grad():
+            for ctx in (int(x) for x in a.contexts.split(",") if x):
+                row[f"ppl@{ctx}"] = evaluation.perplexity(model, ids["eval"], ctx, 4096, progress=False)["perplexity"]
+            row["copy512"] = long_range.copy_task(model, ids["eval"], gap=512, draws=a.draws, seed=0, progress=False)
+            row["passkey"] = long_range.passkey_task(model, tok, lengths=(a.passkey_length,), depths=(0.1, 0.5, 0.9), trials=a.trials, seed=0, progress=False)
+        row["minutes"] = round((time.time() - t0) / 60, 2)
+        row["eval_minutes"] = round((time.time() - t1) / 60, 2)
+        print(json.dumps(row), flush=True)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
