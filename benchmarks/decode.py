@@ -45,6 +45,9 @@ VARIANTS = {
     "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=128 feature_error": dict(
         feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated", memory=128, memory_every=64, memory_score="feature_error"),
     "window-only W=64 S=4 memory=128": dict(feature_map="none", window=64, sinks=4, memory=128, memory_every=64),
+    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=256 feature_error": dict(
+        feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated", memory=256, memory_every=64, memory_score="feature_error"),
+    "window-only W=64 S=4 memory=256": dict(feature_map="none", window=64, sinks=4, memory=256, memory_every=64),
 }
 
 
