@@ -262,33 +262,53 @@ def _weights(scores_or_logs: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tens
     return w, r
 
 
+def _exact_terms(xq: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax terms ``(num, den, row max)`` of queries ``xq [..., R, D]`` over keys ``[..., K, D]``
+    (values ``[..., K, Dv]``) where ``ok [..., 1 | R, K]`` (:func:`_weights`'s weights). Without
+    autograd the weights are formed in place in the scores (no [R, K] temporaries; the masks are
+    skipped when every key is valid) — the same values."""
+    scores = xq @ keys.transpose(-1, -2)
+    if torch.is_grad_enabled() and (xq.requires_grad or keys.requires_grad or vals.requires_grad):
+        w, r = _weights(scores, ok)
+        return w @ vals, w.sum(-1), r
+    full = bool(ok.all())
+    if not full:
+        scores.masked_fill_(~ok, NEG)
+    r = scores.amax(-1, keepdim=True)
+    scores.sub_(r).clamp_(min=exp_floor(scores.dtype)).exp_()
+    if not full:
+        scores.masked_fill_(~ok, 0.0)
+    return scores @ vals, scores.sum(-1), r.squeeze(-1)
+
+
 def _memory_part(xq: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, ok: torch.Tensor) -> Partial:
     """Exact softmax terms of the memory: xq ``[B, Hkv, G, C, D]``, mk ``[B, Hkv, M, D]`` (both
     scaled by √scale), mv ``[B, Hkv, M, Dv]``, ok ``[B, Hkv, M]``."""
     b, hkv, g, c, d = xq.shape
-    scores = xq.reshape(b, hkv, g * c, d) @ mk.transpose(-1, -2)  # [B,Hkv,G·C,M] (no broadcast copies)
-    p, r = _weights(scores, ok[:, :, None, :])
-    return Partial((p @ mv).view(b, hkv, g, c, -1), p.sum(-1).view(b, hkv, g, c), r.view(b, hkv, g, c))
+    num, den, r = _exact_terms(xq.reshape(b, hkv, g * c, d), mk, mv, ok[:, :, None, :])  # G·C rows: no broadcast copies
+    return Partial(num.view(b, hkv, g, c, -1), den.view(b, hkv, g, c), r.view(b, hkv, g, c))
 
 
 def _pending_part(qf: torch.Tensor, lq: torch.Tensor | None, kf: torch.Tensor, lk: torch.Tensor | None, vk: torch.Tensor, vis: torch.Tensor) -> Partial:
-    """Feature terms of the pending keys: qf ``[B, Hkv, G, C, F]``, lq ``[B, Hkv, G, C]`` or None,
-    kf ``[B, Hkv, P, F]``, lk ``[B, Hkv, P]`` or None, vk ``[B, Hkv, P, Dv]``, vis ``[B, C, P]``
-    (key p visible to query c). Streaming-safe: each row's scale is the max over its own keys."""
-    b, hkv, g, c, f = qf.shape
-    p = kf.shape[2]
-    dot = (qf.reshape(b, hkv, g * c, f) @ kf.transpose(-1, -2)).view(b, hkv, g, c, p)
-    ok = vis[:, None]  # [B,1,C,P]
+    """Feature terms of the pending keys: qf ``[*L, G, C, F]``, lq ``[*L, G, C]`` or None,
+    kf ``[*L, P, F]``, lk ``[*L, P]`` or None, vk ``[*L, P, Dv]``, vis ``[*L, C, P]`` (broadcast;
+    key p visible to query c); ``*L`` leading dims, e.g. ``B, Hkv`` (or ``B, Hkv, periods``).
+    Streaming-safe: each row's scale is the max over its own keys. Without autograd the weighted
+    scores are formed in place."""
+    *lead, g, c, f = qf.shape
+    p = kf.shape[-2]
+    dot = (qf.reshape(*lead, g * c, f) @ kf.transpose(-1, -2)).view(*lead, g, c, p)
     if lk is not None:
-        w, m = _weights(lk.unsqueeze(-2).expand(b, hkv, c, p), ok)  # [B,Hkv,C,P], [B,Hkv,C]
-        ls = m.unsqueeze(2).expand(b, hkv, g, c)
+        w, m = _weights(lk.unsqueeze(-2).expand(*lead, c, p), vis)  # [*L,C,P], [*L,C]
+        ls = m.unsqueeze(-2).expand(*lead, g, c)
     else:
-        w = ok.to(dot.dtype).expand(b, hkv, c, p)
-        ls = dot.new_zeros(b, hkv, g, c)
-    a = dot * w.unsqueeze(2)
+        w = vis.to(dot.dtype).expand(*lead, c, p)
+        ls = dot.new_zeros(*lead, g, c)
+    grad = torch.is_grad_enabled() and (dot.requires_grad or w.requires_grad)
+    a = dot * w.unsqueeze(-3) if grad else dot.mul_(w.unsqueeze(-3))
     if lq is not None:
         ls = ls + lq
-    return Partial((a.view(b, hkv, g * c, p) @ vk).view(b, hkv, g, c, -1), a.sum(-1), ls)
+    return Partial((a.view(*lead, g * c, p) @ vk).view(*lead, g, c, -1), a.sum(-1), ls)
 
 
 def _features(feature_map, x: torch.Tensor, queries: bool, hkv: int):
@@ -479,7 +499,7 @@ def _run(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, 
                     t = torch.arange(c0, c1, device=dev).view(-1, 1)
                     s = torch.arange(pos0 + lo, pos0 + top, device=dev).view(1, -1)
                     vis = (s <= t - window).unsqueeze(0) & c.feat[:, None, lo:top]  # [B,C,P]
-                    part = merge(part, _pending_part(qf, lq, kf, lkf, c.vv[:, :, lo:top], vis))
+                    part = merge(part, _pending_part(qf, lq, kf, lkf, c.vv[:, :, lo:top], vis[:, None]))
             parts.append(part)
         a = end
     total = Partial(torch.cat([p.num for p in parts], dim=-2), torch.cat([p.den for p in parts], dim=-1), torch.cat([p.log_scale for p in parts], dim=-1))

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from .masks import NEG, exp_floor
-from .memory import MemoryState, _features, _finish, _gather, _prepare, _select, _weights, recall_error
+from .masks import NEG
+from .memory import MemoryState, _exact_terms, _features, _finish, _gather, _pending_part, _prepare, _select, recall_error
 from .partial import Partial, merge
 from .recurrent import LinearState, fold
 
@@ -66,25 +66,6 @@ def _from_period(x: torch.Tensor, g: int, off: int, n: int) -> torch.Tensor:
     return y[:, :, :, off : off + n]
 
 
-def _exact_terms(xq: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax terms ``(num, den, row max)`` of queries ``xq [..., R, D]`` over keys ``[..., K, D]``
-    (values ``[..., K, Dv]``) where ``ok [..., 1 | R, K]``: :func:`memory._weights`'s terms. Without
-    autograd the weights are formed in place in the scores (no [R, K] temporaries; the masks are
-    skipped when every key is valid) — the same values."""
-    scores = xq @ keys.transpose(-1, -2)
-    if torch.is_grad_enabled() and (xq.requires_grad or keys.requires_grad or vals.requires_grad):
-        w, r = _weights(scores, ok)
-        return w @ vals, w.sum(-1), r
-    full = bool(ok.all())
-    if not full:
-        scores.masked_fill_(~ok, NEG)
-    r = scores.amax(-1, keepdim=True)
-    scores.sub_(r).clamp_(min=exp_floor(scores.dtype)).exp_()
-    if not full:
-        scores.masked_fill_(~ok, 0.0)
-    return scores @ vals, scores.sum(-1), r.squeeze(-1)
-
-
 def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_pool=None, lk_pool=None, S=None, z=None, ref=None, sidx=None, vis=None):
     """The Partial ``(num, den, log_scale)`` of a block of pp periods' query slots
     ``[B, Hkv, pp, G·E, ·]``: the memory's exact terms, then (maps with features) the state read and
@@ -104,23 +85,11 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     if lq is not None:
         ls = ls + lq
     part = merge(part, Partial(qf @ S, (qf @ z.unsqueeze(-1)).squeeze(-1), ls))
-    width = sidx.shape[-1]
-    sidx = sidx.expand(b, hkv, pp, width)
-    kf = _pool_gather(kf_pool, sidx)  # [B,Hkv,pp,width,F]
-    dot = (qf @ kf.transpose(-1, -2)).view(b, hkv, pp, g, e, width)
-    vis5 = vis[:, None]  # [B,1,pp,E,width]
-    if lk_pool is not None:
-        lk = _pool_gather(lk_pool, sidx)  # [B,Hkv,pp,width]
-        wk, rk = _weights(lk.unsqueeze(-2).expand(b, hkv, pp, e, width), vis5)  # [B,Hkv,pp,E,width], [B,Hkv,pp,E]
-        pls = rk.unsqueeze(3).expand(b, hkv, pp, g, e).reshape(b, hkv, pp, ge)
-    else:
-        wk = vis5.to(dot.dtype).expand(b, hkv, pp, e, width)
-        pls = dot.new_zeros(b, hkv, pp, ge)
-    grad = torch.is_grad_enabled() and (dot.requires_grad or wk.requires_grad)
-    aa = (dot * wk.unsqueeze(3) if grad else dot.mul_(wk.unsqueeze(3))).view(b, hkv, pp, ge, width)  # in place without autograd
-    if lq is not None:
-        pls = pls + lq
-    part = merge(part, Partial(aa @ _pool_gather(pool_v, sidx), aa.sum(-1), pls))
+    sidx = sidx.expand(b, hkv, *sidx.shape)
+    lk = _pool_gather(lk_pool, sidx) if lk_pool is not None else None  # [B,Hkv,pp,width]
+    pend = _pending_part(qf.view(b, hkv, pp, g, e, -1), lq.view(b, hkv, pp, g, e) if lq is not None else None,
+                         _pool_gather(kf_pool, sidx), lk, _pool_gather(pool_v, sidx), vis[:, None])
+    part = merge(part, Partial(pend.num.view(b, hkv, pp, ge, -1), pend.den.view(b, hkv, pp, ge), pend.log_scale.reshape(b, hkv, pp, ge)))
     return part.num, part.den, part.log_scale
 
 
