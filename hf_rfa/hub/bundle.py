@@ -60,6 +60,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.masks",
     "hf_rfa.ops.memory",
     "hf_rfa.ops.memory_periods",
+    "hf_rfa.ops.memory_scores",
     "hf_rfa.ops.partial",
     "hf_rfa.ops.recompute",
     "hf_rfa.ops.recurrent",

@@ -35,7 +35,7 @@ State bound per (batch row, kv head): M memory keys/values (+ position, norm, fl
 ``W + E`` buffered keys/values (the window and the pending keys), S sinks and the ``F × Dv``
 feature state — independent of the context length (:meth:`MemoryState.nbytes`).
 
-Scores (``memory_score``, :data:`MEMORY_SCORES`): ``"value_norm"`` (above, the default) or
+Scores (``memory_score``, :data:`MEMORY_SCORES`, :mod:`hf_rfa.ops.memory_scores`): ``"value_norm"`` (above, the default) or
 ``"feature_error"`` — the error with which the feature state recalls the key's value when the key
 is the query, measured once, against the state at the key's first refresh (before that refresh's
 keys are folded; :func:`feature_error`), as LoLA (arXiv 2505.23666) caches the keys the linear
@@ -72,61 +72,12 @@ from .decode import DecodeState, _exact_part, _join_sinks
 from .hybrid import exact_local
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
 from .partial import Partial, finalize, merge
+from .memory_scores import MEMORY_SCORES, feature_error, recall_error, value_norm
 from .recurrent import LinearState, decay, fold, read
 
 #: largest ``memory`` (keys per kv head)
 MAX_MEMORY = 65536
 
-
-#: the selection compares ``log2 ‖v‖`` rounded to multiples of 2**-SCORE_BITS (≈ 0.07 % for 10)
-SCORE_BITS = 10
-
-
-def value_norm(v: torch.Tensor) -> torch.Tensor:
-    """The selection score of values ``[..., N, Dv]``: ``log2 ‖v‖`` rounded to a multiple of
-    ``2**-SCORE_BITS`` → ``[..., N]`` float32 (detached; finite: zero values score ≈ −100).
-
-    Why rounded: a repeated token has the same value vector, but the prefill and cached decoding
-    compute it with matmuls of other shapes, so the two copies can differ in the last bit; an
-    exact-float ranking would then break their tie one way in one form and the other way in the
-    other (decoding ≠ full forward). Rounded scores tie, and ties go to the older key in both
-    (a flip needs a value within float rounding of a rounding boundary: ~1e-4 per key)."""
-    return _round_log2(torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1))
-
-
-def _round_log2(x: torch.Tensor) -> torch.Tensor:
-    """``log2 x`` of non-negative float64 ``x`` rounded to a multiple of ``2**-SCORE_BITS``, float32."""
-    return (torch.round(torch.log2(x.clamp_min(1e-30)) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
-
-
-def feature_error(linear: LinearState, feature_map, xk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The ``"feature_error"`` selection score of new candidate keys: how badly the feature state
-    recalls each key's value when the key itself is the query — its key-side features φ_k(k) read
-    the state (LoLA, arXiv 2505.23666, caches the keys the linear state represents worst):
-    ``log2 ‖v − φ_k(k)ᵀS / φ_k(k)ᵀz‖``, rounded like
-    :func:`value_norm`; where the state is empty (``φ(k)ᵀz = 0``) the prediction is 0 and the
-    score is :func:`value_norm`'s.
-
-    linear: the feature state before the keys are folded (``S [B, Hkv, F, Dv]``); xk ``[B, Hkv,
-    K, D]`` keys scaled by √scale (compute dtype), v ``[B, Hkv, K, Dv]`` → ``[B, Hkv, K]`` float32
-    (detached)."""
-    with torch.no_grad():
-        return recall_error(linear, feature_map.forward_keys(xk.detach()).phi, v)  # key-side features (maps may have per-query-head parameters)
-
-
-def recall_error(linear: LinearState, phi: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """:func:`feature_error` from the keys' features ``phi [B, Hkv, K, F]`` (their log scales
-    cancel in the ratio) → ``[B, Hkv, K]`` float32, detached."""
-    with torch.no_grad():
-        b, hkv, kk, _ = phi.shape
-        part = read(linear, phi.detach().view(b, hkv, 1, kk, -1), None)
-        num, den = part.num.view(b, hkv, kk, -1).double(), part.den.view(b, hkv, kk).double()
-        pred = torch.where((den > 0).unsqueeze(-1), num / den.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(num))
-        return _round_log2(torch.linalg.vector_norm(v.detach().double() - pred, dim=-1))
-
-
-#: how the exact memory ranks its candidates (``memory_score``): the largest score is kept
-MEMORY_SCORES = ("value_norm", "feature_error")
 
 
 def check_memory_args(memory, memory_every, causal: bool, feature_map, memory_score: str = "value_norm") -> tuple[int, int]:
