@@ -162,7 +162,7 @@ def plot(results: list[dict], path: Path, recipe: str = "main") -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model in ("original", "converted"):
-        for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^"), ("fp32-compile", "-.d")):
+        for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^"), ("bf16-ckpt", ":v"), ("fp32-compile", "-.d")):
             pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not _mmap(r) and "tok_s" in r)
             if pts:
                 a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, nargs="+", default=None, help=f"token counts (default {SHORT_N}, with --long also {LONG_N})")
     ap.add_argument("--long", action="store_true", help=f"add the long cases N = {LONG_N} (an hour or more on 2 cores)")
     ap.add_argument("--steps", type=int, default=1, help="measured steps per case after the warm-up (the fastest counts)")
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp32-ckpt", "fp32-compile"], help="fp32-ckpt: fp32 with transformers' gradient checkpointing (model.gradient_checkpointing_enable); fp32-compile: fp32 with every decoder layer torch.compile'd whole (converted: hf_rfa.compile_layers; original: layer.compile(fullgraph=True); both use_cache=False; the warm-up step compiles)")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp32-ckpt", "bf16-ckpt", "fp32-compile"], help="fp32-ckpt / bf16-ckpt: fp32 / bf16 autocast with transformers' gradient checkpointing (model.gradient_checkpointing_enable); fp32-compile: fp32 with every decoder layer torch.compile'd whole (converted: hf_rfa.compile_layers; original: layer.compile(fullgraph=True); both use_cache=False; the warm-up step compiles)")
     ap.add_argument("--models", nargs="+", default=["original", "converted"], choices=["original", "converted"])
     ap.add_argument("--original-max", type=int, default=8192, help="largest N run for the original model")
     ap.add_argument("--threads", type=int, default=2)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         "# Training step: original vs converted SmolLM2-135M\n\n"
         "`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, threads per row, "
         f"fastest measured step after a warm-up; converted = {RECIPE_NAMES[args.recipe]} (`--recipe {args.recipe}`); peak RSS of the case's own process; "
-        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt = fp32 with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward); fp32-compile = fp32 with each decoder layer compiled whole (regional `torch.compile`, `fullgraph=True`: converted by `hf_rfa.compile_layers`, original by `layer.compile(fullgraph=True)`; both with `use_cache=False`; the warm-up step compiles, its seconds are `warmup_seconds` in the .json; rows before session 15's second run compiled with graph breaks). Original and converted of a row ran back to back (the ratio is measured "
+        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt / bf16-ckpt = fp32 / bf16 autocast with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward); fp32-compile = fp32 with each decoder layer compiled whole (regional `torch.compile`, `fullgraph=True`: converted by `hf_rfa.compile_layers`, original by `layer.compile(fullgraph=True)`; both with `use_cache=False`; the warm-up step compiles, its seconds are `warmup_seconds` in the .json; rows before session 15's second run compiled with graph breaks). Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
         "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
         "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"

@@ -25,6 +25,17 @@ def test_child_case_with_and_without_gradient_checkpointing():
     assert abs(rows["fp32"]["loss"] - rows["fp32-ckpt"]["loss"]) < 1e-4  # recomputation changes nothing
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("hf_rfa.recipes.conversion.precision", fromlist=["x"]).cpu_has_fast_bf16(), reason="bf16 is emulated (slow) on CPUs without AVX-512 BF16 / AMX")
+def test_child_case_under_bf16_autocast_with_and_without_gradient_checkpointing():
+    rows = {}
+    for dt in ("bf16", "bf16-ckpt"):
+        out = subprocess.run([sys.executable, str(_PATH), "--child", "converted", "128", dt, "--threads", "1"], capture_output=True, text=True, timeout=600, check=True)
+        rows[dt] = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    assert all(r["tok_s"] > 0 and r["dtype"] == dt for dt, r in rows.items())
+    assert abs(rows["bf16"]["loss"] - rows["bf16-ckpt"]["loss"]) < 1e-4  # the same autocast forward either way
+
+
 def test_render_pairs_original_and_converted_per_dtype():
     rows = [
         {"model": "original", "n": 4096, "dtype": "fp32-ckpt", "threads": 2, "tok_s": 40.0, "peak_rss_gib": 8.0, "load_avg_1m": 1.0, "tok_per_cpu_s": 20.0},

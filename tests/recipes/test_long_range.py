@@ -83,7 +83,35 @@ class _Oracle(torch.nn.Module):
 def test_passkey_accuracy_of_an_oracle_and_of_a_wrong_model(shift, expected):
     r = long_range.passkey_task(_Oracle(shift), _DigitTokenizer(), lengths=[450, 500], depths=[0.1, 0.9], trials=4, progress=False)
     assert all(v == expected for cell in r["accuracy"].values() for v in cell.values())
-    assert r["mean"] == {"450": expected, "500": expected}
+    assert r["mean"] == {"450": expected, "500": expected} and r["key_mean"] == r["mean"]
+
+
+class _NoNumberStart(_Oracle):
+    """Predicts its input's next token except a space (it never starts the number): holds every
+    digit of the key but fails the answer's leading space token."""
+
+    def forward(self, input_ids, use_cache=False):
+        nxt = torch.roll(input_ids, -1, dims=1)
+        nxt = torch.where(nxt == _DigitTokenizer()(" ")["input_ids"][0], torch.ones_like(nxt), nxt)
+        return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 200).float()})()
+
+
+def test_passkey_key_accuracy_leaves_out_only_the_leading_space_token():
+    tok = _DigitTokenizer()
+    _, answer = long_range.passkey_prompt(tok, 450, 0.5, "12345")
+    assert long_range._leading_space_tokens(tok, answer) == 1 and len(answer) == 6
+    r = long_range.passkey_task(_NoNumberStart(1), tok, lengths=[450], depths=[0.1, 0.9], trials=3, progress=False)
+    assert r["accuracy"] == {"450": {"0.1": 0.0, "0.9": 0.0}} and r["key_accuracy"] == {"450": {"0.1": 1.0, "0.9": 1.0}}
+    assert r["key_mean"] == {"450": 1.0} and r["mean"] == {"450": 0.0}
+    wrong = long_range.passkey_task(_Oracle(0), tok, lengths=[450], depths=[0.5], trials=2, progress=False)
+    assert wrong["key_accuracy"] == {"450": {"0.5": 0.0}}
+
+    class Merged(_DigitTokenizer):  # a tokenizer that writes " 12345" without a space token of its own
+        def __call__(self, text, add_special_tokens=False):
+            ids = super().__call__(text)["input_ids"]
+            return {"input_ids": [199] if text == " " else ids}
+
+    assert long_range._leading_space_tokens(Merged(), answer) == 0
 
 
 def test_tokenize_keeps_hf_rfa_progress_logging():
