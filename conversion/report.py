@@ -108,7 +108,8 @@ def long_range_table(rep: dict) -> str:
             c = e.get("copy", {}).get(str(g))
             cells.append(f"{c['second']:.2f} ({c['first']:.1f})" if c else "")
         pk = (e.get("passkey") or {}).get("mean") or {}
-        cells += [f"{pk[str(n)]:.0%}" if str(n) in pk else "" for n in lens]
+        key = (e.get("passkey") or {}).get("key_mean") or {}  # runs since session 18
+        cells += [(f"{pk[str(n)]:.0%}" + (f" (key {key[str(n)]:.0%})" if key.get(str(n), pk[str(n)]) != pk[str(n)] else "")) if str(n) in pk else "" for n in lens]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -170,7 +171,7 @@ def render(specs: list[str], note: str = "", note_arg: str | None = None) -> str
         out += [run_table(rep), ""]
         if rep.get("long_range"):
             out += ["Long range (copy: perplexity of the second copy of a 256-token passage, first copy in brackets, "
-                    "8 seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%):", "", long_range_table(rep), ""]
+                    "8 seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%; \"key\": the same trials without the answer's leading space token, shown where it differs):", "", long_range_table(rep), ""]
         st = rep.get("stages", {})
         for name, s in st.items():
             out.append(f"- {name}: {s['tokens']} tokens, {s['steps']} steps, {s['minutes']:.1f} min, loss {s['loss_first']:.4g} → {s['loss_last']:.4g}")

@@ -174,3 +174,17 @@ def test_evaluate_command_parses_with_hf_argument_parser(capsys):
     with pytest.raises(SystemExit):
         evaluate_main(["--help"])
     assert "{perplexity,copy,passkey}" in capsys.readouterr().out
+
+
+def test_report_long_range_table_shows_the_key_accuracy_only_where_it_differs():
+    report = _script("conversion/report.py")
+    rep = {"rows": [{"variant": "a", "context": 1024, "perplexity": 20.0}, {"variant": "b", "context": 1024, "perplexity": 21.0}],
+           "long_range": [
+               {"variant": "a", "passkey": {"mean": {"2048": 1 / 3}, "key_mean": {"2048": 1.0}}},
+               {"variant": "b", "passkey": {"mean": {"2048": 0.5}, "key_mean": {"2048": 0.5}}},
+           ]}
+    table = report.long_range_table(rep)
+    assert "| a | 20.00 | 33% (key 100%) |" in table
+    assert "| b | 21.00 | 50% |" in table
+    old = {"rows": rep["rows"][:1], "long_range": [{"variant": "a", "passkey": {"mean": {"2048": 1.0}}}]}  # runs before session 18
+    assert "| a | 20.00 | 100% |" in report.long_range_table(old)
