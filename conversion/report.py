@@ -107,11 +107,18 @@ def long_range_table(rep: dict) -> str:
         for g in gaps:
             c = e.get("copy", {}).get(str(g))
             cells.append(f"{c['second']:.2f} ({c['first']:.1f})" if c else "")
-        pk = (e.get("passkey") or {}).get("mean") or {}
-        key = (e.get("passkey") or {}).get("key_mean") or {}  # runs since session 18
-        cells += [(f"{pk[str(n)]:.0%}" + (f" (key {key[str(n)]:.0%})" if key.get(str(n), pk[str(n)]) != pk[str(n)] else "")) if str(n) in pk else "" for n in lens]
+        cells += [_passkey_cell(e.get("passkey") or {}, str(n)) for n in lens]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _passkey_cell(pk: dict, n: str) -> str:
+    """Exact-match passkey accuracy at length ``n``, with the key accuracy (runs since session 18)
+    in brackets where it differs; empty where not measured."""
+    exact, key = (pk.get("mean") or {}).get(n), (pk.get("key_mean") or {}).get(n)
+    if exact is None:
+        return ""
+    return f"{exact:.0%}" + (f" (key {key:.0%})" if key is not None and key != exact else "")
 
 
 def load_run(spec: str) -> tuple[str, dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 from torch import nn
@@ -142,6 +143,7 @@ def passkey_task(
     dev = _device(model)
     acc: dict[str, dict[str, float]] = {}
     key_acc: dict[str, dict[str, float]] = {}
+    space = tokenizer(" ", add_special_tokens=False)["input_ids"]
     cells = [(n, dp) for n in lengths for dp in depths]
     bar = tqdm(total=len(cells) * trials, desc="passkey", disable=not progress, leave=False)
     for n, dp in cells:
@@ -151,7 +153,7 @@ def passkey_task(
         for i in range(0, trials, batch_size):
             pairs = [passkey_prompt(tokenizer, n, dp, key) for key in keys[i : i + batch_size]]
             full = [torch.cat([p, a]) for p, a in pairs]
-            leads = [_leading_space_tokens(tokenizer, a) for _, a in pairs]
+            leads = [_leading_space_tokens(space, a) for _, a in pairs]
             if len({(len(f), len(a), ld) for f, (_, a), ld in zip(full, pairs, leads)}) == 1:  # the usual case: one batch
                 hits += _passkey_hits(model, torch.stack(full).to(dev), len(pairs[0][1]), leads[0])
             else:
@@ -166,16 +168,10 @@ def passkey_task(
     return {"accuracy": acc, "mean": mean, "key_accuracy": key_acc, "key_mean": key_mean, "trials": trials, "seed": seed, "depths": [float(d) for d in depths]}
 
 
-def _leading_space_tokens(tokenizer, answer: torch.Tensor) -> int:
-    """How many leading tokens of ``answer`` it shares with the tokens of ``" "`` (0 when the
-    tokenizer merges the space into the first digit); at most all but one."""
-    space = tokenizer(" ", add_special_tokens=False)["input_ids"]
-    lead = 0
-    for a, s in zip(answer.tolist(), space):
-        if a != s:
-            break
-        lead += 1
-    return min(lead, len(answer) - 1)
+def _leading_space_tokens(space: list[int], answer: torch.Tensor) -> int:
+    """How many leading tokens of ``answer`` it shares with ``space`` (the tokens of ``" "``; 0
+    when the tokenizer merges the space into the first digit); at most all but one."""
+    return min(len(os.path.commonprefix([answer.tolist(), space])), len(answer) - 1)
 
 
 def _passkey_hits(model: nn.Module, x: torch.Tensor, la: int, lead: int = 0) -> torch.Tensor:

@@ -99,7 +99,7 @@ class _NoNumberStart(_Oracle):
 def test_passkey_key_accuracy_leaves_out_only_the_leading_space_token():
     tok = _DigitTokenizer()
     _, answer = long_range.passkey_prompt(tok, 450, 0.5, "12345")
-    assert long_range._leading_space_tokens(tok, answer) == 1 and len(answer) == 6
+    assert long_range._leading_space_tokens(tok(" ")["input_ids"], answer) == 1 and len(answer) == 6
     r = long_range.passkey_task(_NoNumberStart(1), tok, lengths=[450], depths=[0.1, 0.9], trials=3, progress=False)
     assert r["accuracy"] == {"450": {"0.1": 0.0, "0.9": 0.0}} and r["key_accuracy"] == {"450": {"0.1": 1.0, "0.9": 1.0}}
     assert r["key_mean"] == {"450": 1.0} and r["mean"] == {"450": 0.0}
@@ -111,7 +111,7 @@ def test_passkey_key_accuracy_leaves_out_only_the_leading_space_token():
             ids = super().__call__(text)["input_ids"]
             return {"input_ids": [199] if text == " " else ids}
 
-    assert long_range._leading_space_tokens(Merged(), answer) == 0
+    assert long_range._leading_space_tokens(Merged()(" ")["input_ids"], answer) == 0
 
 
 def test_tokenize_keeps_hf_rfa_progress_logging():
