@@ -17,6 +17,10 @@ does). For each (N, dtype) the original and the converted case run one after the
 ratio is measured under the same machine load (the load average is recorded with each case).
 ``--mmap-threshold BYTES`` runs both with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (peak RSS then
 counts live tensors, not freed blocks glibc keeps in its heap; slower), in rows of their own.
+``--release-loss`` keeps only ``loss.detach()`` after each backward (what Trainer's ``training_step``
+does) instead of the loss with its spent graph, which the plain loop ``loss = model(...).loss;
+loss.backward()`` keeps alive during the next step's forward (its small leftover objects split
+glibc's heap and raise peak RSS, more for the converted model), in rows of their own.
 Cases of the original beyond ``--original-max`` are skipped (the default, 8192: the original's
 16,384-token step does not fit this 23 GiB machine next to other jobs); ``--long`` adds the long
 cases (8192 and, converted only, 16384). A case that fails (e.g. killed for memory) is recorded as
@@ -54,8 +58,11 @@ SHORT_N = [1024, 2048, 4096]
 LONG_N = [8192, 16384]
 
 
-def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, recipe: str = "main") -> dict:
-    """Runs in the child process: load, (convert), warm-up step, ``steps`` measured steps."""
+def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, recipe: str = "main", release_loss: bool = False) -> dict:
+    """Runs in the child process: load, (convert), warm-up step, ``steps`` measured steps.
+    ``release_loss``: after each backward keep only ``loss.detach()`` (Trainer's ``training_step``
+    does this) instead of the loss with its spent graph, which the plain loop ``loss =
+    model(...).loss; loss.backward()`` keeps alive until the next step's loss replaces it."""
     import resource
     import time
 
@@ -94,6 +101,8 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, 
             # compiled: no KV cache (its per-layer state would recompile the graph for every layer)
             loss = model(input_ids=ids, labels=ids, **({"use_cache": False} if compiled else {})).loss
         loss.backward()
+        if release_loss:
+            loss = loss.detach()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -101,22 +110,22 @@ def one_case(model_kind: str, n: int, dtype: str, threads: int, steps: int = 1, 
     warmup = times[0]  # with -compile: includes compiling
     # process CPU seconds of the step (all its threads): on a machine shared with other jobs, N /
     # cpu_seconds (threads=1) tracks the compute cost when wall time does not
-    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "warmup_seconds": warmup, "load_avg_1m": os.getloadavg()[0]}
+    return {"model": model_kind, "n": n, "dtype": dtype, "threads": threads, "seconds": best, "cpu_seconds": min(cpu[1:]), "tok_per_cpu_s": n / min(cpu[1:]), "tok_s": n / best, "peak_rss_gib": rss / 2**30, "loss": float(loss), "warmup_seconds": warmup, "load_avg_1m": os.getloadavg()[0], "release_loss": release_loss}
 
 
-def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1, recipe: str = "main", mmap_threshold: int | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads), "--steps", str(steps), "--recipe", recipe]
+def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, steps: int = 1, recipe: str = "main", mmap_threshold: int | None = None, release_loss: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--child", model_kind, str(n), dtype, "--threads", str(threads), "--steps", str(steps), "--recipe", recipe] + (["--release-loss"] if release_loss else [])
     env = dict(os.environ)
     if mmap_threshold is not None:  # glibc: a fixed threshold (no dynamic raise), see --mmap-threshold
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "error": f"timeout > {timeout:.0f} s"}
+        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "release_loss": release_loss, "error": f"timeout > {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
-        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "error": why}
+        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "release_loss": release_loss, "error": why}
     return {**json.loads(lines[-1]), "mmap_threshold": mmap_threshold}
 
 
@@ -126,13 +135,13 @@ def _mmap(r: dict) -> int:
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["n"], r["dtype"], _mmap(r))
+    return (r["model"], r["n"], r["dtype"], _mmap(r), bool(r.get("release_loss")))
 
 
 def render(results: list[dict]) -> str:
     """Markdown table: one row per (N, dtype), original vs converted."""
     by = {_key(r): r for r in results}
-    rows = sorted({(r["n"], r["dtype"], _mmap(r)) for r in results})
+    rows = sorted({(r["n"], r["dtype"], _mmap(r), bool(r.get("release_loss"))) for r in results})
 
     def cell(r, field, fmt):
         if r is None:
@@ -140,8 +149,8 @@ def render(results: list[dict]) -> str:
         return r.get("error", "failed") if field not in r else fmt.format(r[field])
 
     out = ["| N | dtype | threads | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, dt, mt in rows:
-        o, c = by.get(("original", n, dt, mt)), by.get(("converted", n, dt, mt))
+    for n, dt, mt, rl in rows:
+        o, c = by.get(("original", n, dt, mt, rl)), by.get(("converted", n, dt, mt, rl))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
         ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
         mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"
@@ -149,7 +158,7 @@ def render(results: list[dict]) -> str:
         cpu_ok = ok and "tok_per_cpu_s" in o and "tok_per_cpu_s" in c
         cpu_cells = f"{o['tok_per_cpu_s']:.1f} / {c['tok_per_cpu_s']:.1f} = {c['tok_per_cpu_s'] / o['tok_per_cpu_s']:.2f}×" if cpu_ok else "—"
         thr = "/".join(sorted({str(r["threads"]) for r in (o, c) if r is not None and "threads" in r})) or "—"
-        label = dt + (f", MALLOC_MMAP_THRESHOLD_={mt}" if mt else "")
+        label = dt + (f", MALLOC_MMAP_THRESHOLD_={mt}" if mt else "") + (", loss released after backward" if rl else "")
         out.append(f"| {n} | {label} | {thr} | {cell(o, 'tok_s', '{:.0f}')} | {cell(c, 'tok_s', '{:.0f}')} | {ratio} | {cell(o, 'peak_rss_gib', '{:.1f}')} | {cell(c, 'peak_rss_gib', '{:.1f}')} | {mratio} | {load} | {cpu_cells} |")
     return "\n".join(out)
 
@@ -163,7 +172,7 @@ def plot(results: list[dict], path: Path, recipe: str = "main") -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model in ("original", "converted"):
         for dt, style in (("fp32", "-o"), ("bf16", "--s"), ("fp32-ckpt", ":^"), ("bf16-ckpt", ":v"), ("fp32-compile", "-.d")):
-            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not _mmap(r) and "tok_s" in r)
+            pts = sorted((r["n"], r) for r in results if r["model"] == model and r["dtype"] == dt and not _mmap(r) and not r.get("release_loss") and "tok_s" in r)
             if pts:
                 a1.plot([n for n, _ in pts], [r["tok_s"] for _, r in pts], style, label=f"{model} {dt}")
                 a2.plot([n for n, _ in pts], [r["peak_rss_gib"] for _, r in pts], style, label=f"{model} {dt}")
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recipe", default="main", help=f"converted recipe, one of {sorted(RECIPES)} (default main: the main job's)")
     ap.add_argument("--out", type=Path, default=None, help="results stem (default: benchmarks/results/train_step_recipe for main, train_step for favor256)")
     ap.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES", help="run both models' cases with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: allocations above it are mmap'ed and returned on free, instead of glibc raising the threshold up to 32 MiB and keeping freed blocks in its heap); rows are kept apart from the default allocator's")
+    ap.add_argument("--release-loss", action="store_true", help="after each backward keep only loss.detach(), as Trainer's training_step does, instead of the loss with its spent graph (which the plain loop `loss = model(...).loss; loss.backward()` keeps alive while the next step's forward runs); rows are kept apart")
     ap.add_argument("--render-only", action="store_true", help="rewrite the .md/.png from the .json, run nothing")
     args = ap.parse_args(argv)
     if args.recipe not in RECIPES:
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out = DEFAULT_OUT[args.recipe]
     if args.child:
         model, n, dt = args.child
-        print(json.dumps(one_case(model, int(n), dt, args.threads, args.steps, args.recipe)), flush=True)
+        print(json.dumps(one_case(model, int(n), dt, args.threads, args.steps, args.recipe, args.release_loss)), flush=True)
         return
     if args.steps < 1:
         raise ValueError(f"steps must be >= 1, got {args.steps}")
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             for model in args.models:
                 if model == "original" and n > args.original_max:
                     continue
-                r = run_case(model, n, dt, args.threads, args.timeout, args.steps, args.recipe, args.mmap_threshold)
+                r = run_case(model, n, dt, args.threads, args.timeout, args.steps, args.recipe, args.mmap_threshold, args.release_loss)
                 print(json.dumps(r), flush=True)
                 results = [x for x in results if _key(x) != _key(r)] + [r]
                 store.write_text(json.dumps(results, indent=1))

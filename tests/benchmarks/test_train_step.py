@@ -90,3 +90,38 @@ def test_run_case_passes_the_mmap_threshold_to_the_child(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     seen.clear()
     assert bench.run_case("converted", 8, "fp32", 1, 10.0)["mmap_threshold"] is None and "MALLOC_MMAP_THRESHOLD_" not in seen
+
+
+def test_release_loss_rows_are_kept_apart_and_labelled():
+    base = {"threads": 2, "load_avg_1m": 1.0, "tok_per_cpu_s": 20.0}
+    rows = [
+        {"model": "original", "n": 2048, "dtype": "fp32", "tok_s": 100.0, "peak_rss_gib": 5.0, **base},
+        {"model": "converted", "n": 2048, "dtype": "fp32", "tok_s": 80.0, "peak_rss_gib": 6.0, **base},
+        {"model": "original", "n": 2048, "dtype": "fp32", "release_loss": True, "tok_s": 100.0, "peak_rss_gib": 5.0, **base},
+        {"model": "converted", "n": 2048, "dtype": "fp32", "release_loss": True, "tok_s": 80.0, "peak_rss_gib": 5.1, **base},
+    ]
+    table = bench.render(rows)
+    assert "| 2048 | fp32 | 2 | 100 | 80 | 0.80× | 5.0 | 6.0 | 1.20× |" in table
+    assert "| 2048 | fp32, loss released after backward | 2 | 100 | 80 | 0.80× | 5.0 | 5.1 | 1.02× |" in table
+
+
+def test_run_case_passes_release_loss_to_the_child(monkeypatch):
+    seen = []
+
+    class Done:
+        returncode, stdout, stderr = 0, '{"model": "converted", "n": 8, "dtype": "fp32", "release_loss": true}\n', ""
+
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Done())
+    assert bench.run_case("converted", 8, "fp32", 1, 10.0, release_loss=True)["release_loss"] is True
+    bench.run_case("converted", 8, "fp32", 1, 10.0)
+    assert "--release-loss" in seen[0] and "--release-loss" not in seen[1]
+
+
+@pytest.mark.slow
+def test_child_case_with_the_loss_released_gives_the_same_loss():
+    rows = {}
+    for flag in ([], ["--release-loss"]):
+        out = subprocess.run([sys.executable, str(_PATH), "--child", "converted", "128", "fp32", "--threads", "1", *flag], capture_output=True, text=True, timeout=600, check=True)
+        rows[bool(flag)] = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    assert rows[True]["release_loss"] is True and rows[False]["release_loss"] is False
+    assert rows[True]["loss"] == rows[False]["loss"]  # the same computation; only what stays alive differs

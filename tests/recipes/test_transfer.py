@@ -314,3 +314,27 @@ def test_conversion_config_checks_schedule_and_blocks():
         ConversionConfig(**base, transfer_query_blocks=5)
     with pytest.raises(ValueError, match="transfer_query_blocks must be an int >= 1"):
         ConversionConfig(**base, transfer_query_blocks=0)
+
+
+def test_lora_finetune_keeps_nothing_of_a_step_alive_into_the_next():
+    """Each step's logits (and the loss with its spent graph) are released before the next
+    step's forward runs, so they do not add to the peak memory of a long-context run."""
+    import gc
+    import weakref
+
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
+    refs, alive = [], []
+
+    def pre(mod, args, kwargs):
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+
+    def post(mod, args, kwargs, out):
+        refs.append(weakref.ref(out.logits))
+
+    m.register_forward_pre_hook(pre, with_kwargs=True)
+    m.register_forward_hook(post, with_kwargs=True)
+    _, res = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 2, 0), tokens=64 * 2 * 3, lr=1e-2, progress=False)
+    assert res.steps == 3 and len(refs) == 3 and all(isinstance(x, float) for x in res.losses)
+    assert alive == [0, 0, 0]  # no earlier step's logits alive when a forward starts

@@ -302,6 +302,7 @@ def attention_transfer(
                 opt.step()
                 res.steps += 1
                 res.losses.append(total / len(layers))
+            del caps, cap, pred, loss  # not alive through the next capture (peak memory)
             res.tokens += n
             bar.update(n)
             bar.set_postfix(mse=f"{res.losses[-1]:.2e}")
@@ -393,15 +394,19 @@ def lora_finetune(
             for ids, mask in batches:
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
-                    out = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+                    loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
                 opt.zero_grad(set_to_none=True)
-                out.loss.backward()
+                loss.backward()
+                # keep only the number: the loss with its spent graph (and the model output with its
+                # [B, N, vocab] logits) must not stay alive through the next step's forward, where
+                # they would add to the peak memory (benchmarks/train_step.py --release-loss)
+                loss = float(loss.detach())
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 n = int(mask.sum()) if mask is not None else ids.numel()
                 res.tokens += n
                 res.steps += 1
-                res.losses.append(float(out.loss.detach()))
+                res.losses.append(loss)
                 bar.update(n)
                 bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
                 if res.tokens >= tokens:

@@ -260,6 +260,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
                 scheduler.step()
                 optimizer.zero_grad()
             micro_losses.append(loss.detach().float())
+            del loss  # its spent graph must not stay alive through the next forward (peak memory)
             if not accelerator.sync_gradients:
                 continue
             step_loss = accelerator.reduce(torch.stack(micro_losses).mean(), "mean").item()
