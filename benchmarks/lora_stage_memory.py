@@ -1,0 +1,67 @@
+"""Peak RSS of the main job's LoRA stage: SmolLM2-135M converted with the main job's recipe,
+``transfer.lora_finetune`` for a few steps at the LoRA context, the main job's autocast rule.
+
+    .venv/bin/python benchmarks/lora_stage_memory.py                     # this checkout
+    .venv/bin/python benchmarks/lora_stage_memory.py --src /path/to/other/checkout
+
+``--src`` imports ``hf_rfa`` from another checkout instead (e.g. an older commit from ``git
+worktree add``), so two versions can be compared on one machine; the recipe (``train_step.RECIPES
+["main"]``) and the seeded token ids are the same for both, and so are the losses (printed). One JSON
+line: peak RSS of the process (``resource.getrusage``), the losses, seconds, which ``hf_rfa``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=4096, help="tokens per sequence (the main job's LoRA context: 4096)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--src", type=Path, default=None, help="a checkout whose hf_rfa is imported instead of the installed one")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.context < 2:
+        raise ValueError(f"steps must be >= 1 and context >= 2, got steps={args.steps}, context={args.context}")
+    if args.src is not None:
+        if not (args.src / "hf_rfa" / "__init__.py").is_file():
+            raise ValueError(f"--src must be a checkout with hf_rfa/__init__.py, got {args.src}")
+        # the editable install's finder would otherwise win over sys.path
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__ and "editable" not in getattr(f, "__name__", "")]
+        sys.path.insert(0, str(args.src.resolve()))
+    import resource
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_rfa
+    from hf_rfa.assets.models import smollm2_path
+    from hf_rfa.recipes.conversion import precision, transfer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_step import RECIPES
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)  # PEFT's LoRA initialisation
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES["main"]))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(10, model.config.vocab_size, (1, args.context), generator=g), None) for _ in range(args.steps)]
+    dtype = precision.resolve_autocast("auto", "cpu")
+    t0 = time.perf_counter()
+    _, res = transfer.lora_finetune(model, iter(batches), tokens=args.steps * args.context, lr=1e-3, progress=False, autocast=dtype)
+    print(json.dumps({
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": res.losses,
+        "seconds": time.perf_counter() - t0, "context": args.context, "steps": args.steps, "threads": args.threads,
+        "autocast": precision.dtype_name(dtype), "hf_rfa": os.path.dirname(hf_rfa.__file__),
+    }))
+
+
+if __name__ == "__main__":
+    main()
