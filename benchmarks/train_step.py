@@ -118,14 +118,15 @@ def run_case(model_kind: str, n: int, dtype: str, threads: int, timeout: float, 
     env = dict(os.environ)
     if mmap_threshold is not None:  # glibc: a fixed threshold (no dynamic raise), see --mmap-threshold
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    case = {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "release_loss": release_loss}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "release_loss": release_loss, "error": f"timeout > {timeout:.0f} s"}
+        return {**case, "error": f"timeout > {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
-        return {"model": model_kind, "n": n, "dtype": dtype, "mmap_threshold": mmap_threshold, "release_loss": release_loss, "error": why}
+        return {**case, "error": why}
     return {**json.loads(lines[-1]), "mmap_threshold": mmap_threshold}
 
 
@@ -141,7 +142,7 @@ def _key(r: dict) -> tuple:
 def render(results: list[dict]) -> str:
     """Markdown table: one row per (N, dtype), original vs converted."""
     by = {_key(r): r for r in results}
-    rows = sorted({(r["n"], r["dtype"], _mmap(r), bool(r.get("release_loss"))) for r in results})
+    rows = sorted({_key(r)[1:] for r in results})  # (N, dtype, mmap threshold, loss released)
 
     def cell(r, field, fmt):
         if r is None:
@@ -149,8 +150,9 @@ def render(results: list[dict]) -> str:
         return r.get("error", "failed") if field not in r else fmt.format(r[field])
 
     out = ["| N | dtype | threads | original tok/s | converted tok/s | ratio | original peak RSS GiB | converted peak RSS GiB | RSS ratio | load avg (orig / conv) | tok per CPU-s (orig / conv = ratio) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, dt, mt, rl in rows:
-        o, c = by.get(("original", n, dt, mt, rl)), by.get(("converted", n, dt, mt, rl))
+    for row in rows:
+        n, dt, mt, rl = row
+        o, c = by.get(("original", *row)), by.get(("converted", *row))
         ok = o is not None and c is not None and "tok_s" in o and "tok_s" in c
         ratio = f"{c['tok_s'] / o['tok_s']:.2f}×" if ok else "—"
         mratio = f"{c['peak_rss_gib'] / o['peak_rss_gib']:.2f}×" if ok else "—"

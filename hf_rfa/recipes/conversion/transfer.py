@@ -397,16 +397,16 @@ def lora_finetune(
                     loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                res.losses.append(float(loss.detach()))
                 # keep only the number: the loss with its spent graph (and the model output with its
                 # [B, N, vocab] logits) must not stay alive through the next step's forward, where
                 # they would add to the peak memory (benchmarks/train_step.py --release-loss)
-                loss = float(loss.detach())
+                del loss
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 n = int(mask.sum()) if mask is not None else ids.numel()
                 res.tokens += n
                 res.steps += 1
-                res.losses.append(loss)
                 bar.update(n)
                 bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
                 if res.tokens >= tokens:
