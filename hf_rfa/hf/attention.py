@@ -70,6 +70,7 @@ class RFAAttention(nn.Module):
         feature part reads q/k with it undone (:mod:`hf_rfa.hf.rope`). With an ``RFACache`` the
         cache layer gets the un-rotated queries and ``(cos, sin)`` and un-rotates the keys it needs
         itself (its state keeps the rotated window only)."""
+        query, key, value = autocast_inputs(query, key, value)
         rope = None
         cache = kwargs.get("rfa_cache_layer")
         if self.feature_input == "unrotated":
@@ -90,6 +91,19 @@ class RFAAttention(nn.Module):
         mem = f", memory={self.memory}, memory_every={self.memory_every}, memory_score={self.memory_score}" if self.memory else ""
         fin = ", feature_input=unrotated" if self.feature_input == "unrotated" else ""
         return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}{mem}{fin}"
+
+
+def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under ``torch.autocast``: q, k, v in the autocast dtype, as SDPA takes them (autocast casts
+    SDPA's floating inputs, except float64); otherwise unchanged. A Llama's rotary embedding leaves
+    q/k in float32 (its cos/sin are float32) while v comes from a bf16 linear; the op computes its
+    features, states and sums in float32 either way, but what it saves for backward — q, k, v —
+    then takes the bytes of SDPA's saved inputs instead of twice theirs for q/k."""
+    dev = xs[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return xs
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(x.to(dt) if x.is_floating_point() and x.dtype != torch.float64 else x for x in xs)
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:

@@ -285,8 +285,10 @@ def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: f
             feat_mask = feat_mask & ~sink_mask(km, b, n, sinks, q.device)
         if feature_map.has_gate:
             ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-            gk = unrotate(k, *feature_rope) if feature_rope is not None else (k if feature_k is None else feature_k)
-            lk_add, lq_add = _gate_terms(feature_map, gk.to(ct) * scale**0.5, km)
+            # un-rotated in the compute dtype: cos/sin stay as given (float32) and are saved once for
+            # all layers, not as a per-layer copy in k's (autocast) dtype
+            gk = unrotate(k.to(ct), *feature_rope) if feature_rope is not None else (k if feature_k is None else feature_k).to(ct)
+            lk_add, lq_add = _gate_terms(feature_map, gk * scale**0.5, km)
     else:
         feature_q = feature_k = feature_rope = None
     return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k, rope=feature_rope)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .hybrid import BandPlan, band_plan
+from .masks import no_autocast
 from .partial import Partial, finalize, merge
 from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, own_params, param_leaves, with_params
 from .recurrent import LinearState
@@ -297,6 +298,7 @@ class HybridFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast  # a backward run inside torch.autocast (loss.backward() in the autocast block) stays float32
     def backward(ctx, dout):
         spec: HybridSpec = ctx.spec
         q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors

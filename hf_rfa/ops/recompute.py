@@ -21,7 +21,7 @@ import functools
 import torch
 
 from .hybrid import BandPlan, gather_sinks
-from .masks import NEG, exp_floor
+from .masks import NEG, exp_floor, no_autocast
 from .chunkwise import block_features, block_step
 from .scan import ScanSpec, split_tokens
 
@@ -120,6 +120,7 @@ class BandFunction(torch.autograd.Function):
         return num, den, ls
 
     @staticmethod
+    @no_autocast  # a backward run inside torch.autocast (loss.backward() in the autocast block) stays float32
     def backward(ctx, dnum, dden, _dls):
         plan: BandPlan = ctx.plan
         xq, xk, v = (x.detach() for x in ctx.saved_tensors)
@@ -360,6 +361,7 @@ class ScanFunction(torch.autograd.Function):
         return torch.cat(outs, dim=-2), torch.cat(lss, dim=-1), S, ref
 
     @staticmethod
+    @no_autocast  # a backward run inside torch.autocast (loss.backward() in the autocast block) stays float32
     def backward(ctx, dout, dls, dS, _dref):
         spec: ScanSpec = ctx.spec
         key_mask, xq, xk, v, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors

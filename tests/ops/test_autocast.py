@@ -115,3 +115,87 @@ def test_converted_model_generates_under_autocast(dtype):
             gen = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert rel(low.float(), ref) <= LOW_PRECISION
     assert gen.shape == (1, 18)
+
+
+# the recipe the main job trains: learned map, window + sinks, decay gate, feature part on un-rotated q/k
+RECIPE = dict(feature_map="hedgehog", num_features=16, window=8, sinks=2, decay=16.0, feature_input="unrotated", seed=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("path", ["causal-W5-S2", "causal"])
+@pytest.mark.parametrize("name", ["favor+", "rfa", "hedgehog"])
+def test_backward_inside_autocast_equals_backward_outside(name, path, dtype):
+    """``loss.backward()`` written inside the autocast block (common in user loops): the
+    recomputing autograd Functions' backward runs with autocast off, so the gradients are those of
+    a backward outside it — bit for bit (before: a dtype error in the recomputed scan)."""
+    causal, window, sinks = PATHS[path]
+    fm = _fm(name)
+    up = torch.randn(2, 4, 37, 16, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for inside in (True, False):
+        fm.zero_grad()
+        q, k, v = (x.detach().requires_grad_() for x in _qkv(dtype))
+        with torch.autocast("cpu", dtype=dtype):
+            out = hf_rfa.random_feature_attention(q, k, v, fm, causal=causal, window=window, sinks=sinks, chunk_size=8)
+            loss = (out.float() * up).sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([q.grad, k.grad, v.grad] + [p.grad for p in fm.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) >= 3
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_converted_model_backward_inside_autocast(dtype):
+    """The main job's recipe on a tiny Llama, ``loss.backward()`` inside the autocast block: the
+    same gradients as outside it."""
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**RECIPE)).train()
+    ids, mask = batch("llama", n=40)
+    res = []
+    for inside in (True, False):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        res.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.isfinite(res[0]).all()
+    assert torch.equal(res[0], res[1])
+
+
+def test_attention_inputs_saved_in_the_autocast_dtype():
+    """Under autocast a converted Llama's attention takes q, k, v in the autocast dtype, as SDPA
+    does: what backward keeps of q/k (float32 after the rotary embedding) is the bf16 copy, not the
+    float32 tensor — half the bytes (before: every layer saved float32 q and k). The decay gate's
+    un-rotation keeps the model's float32 cos/sin, not a per-layer low-precision copy."""
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**RECIPE)).train()
+    cfg = model.config
+    ids, mask = batch("llama", n=40)
+    b, n, d = ids.shape[0], ids.shape[1], cfg.hidden_size // cfg.num_attention_heads
+    qk_shapes = {(b, cfg.num_attention_heads, n, d), (b, cfg.num_key_value_heads, n, d)}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    qk = [dt for shape, dt in saved if shape in qk_shapes]
+    assert len(qk) >= 2 * cfg.num_hidden_layers  # q and k (and v) of every layer
+    assert set(qk) == {torch.bfloat16}
+    rope_low = [shape for shape, dt in saved if dt == torch.bfloat16 and len(shape) == 4 and shape[1] == 1 and shape[2] == n]
+    assert rope_low == []
+
+
+def test_autocast_inputs_follow_sdpa():
+    """``autocast_inputs``: floating inputs other than float64 go to the autocast dtype under
+    autocast; nothing changes outside it."""
+    from hf_rfa.hf.attention import autocast_inputs
+
+    x32, x16, x64, ints = torch.ones(2), torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.long)
+    assert [t.dtype for t in autocast_inputs(x32, x16, x64, ints)] == [torch.float32, torch.float16, torch.float64, torch.long]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert [t.dtype for t in autocast_inputs(x32, x16, x64, ints)] == [torch.bfloat16, torch.bfloat16, torch.float64, torch.long]
