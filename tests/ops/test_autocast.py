@@ -199,3 +199,25 @@ def test_autocast_inputs_follow_sdpa():
     assert [t.dtype for t in autocast_inputs(x32, x16, x64, ints)] == [torch.float32, torch.float16, torch.float64, torch.long]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert [t.dtype for t in autocast_inputs(x32, x16, x64, ints)] == [torch.bfloat16, torch.bfloat16, torch.float64, torch.long]
+
+
+def test_gradient_checkpointing_under_autocast_equals_plain():
+    """transformers' gradient checkpointing under bf16 autocast (Trainer ``--bf16
+    --gradient_checkpointing``): the recomputed layers cast q/k/v as the forward did, so the
+    gradients equal the run without checkpointing."""
+    import copy
+
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**RECIPE))
+    ids, mask = batch("llama", n=40)
+    grads = []
+    for gc in (False, True):
+        m = copy.deepcopy(model).train()
+        if gc:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
