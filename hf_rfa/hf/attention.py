@@ -26,6 +26,9 @@ from .rope import ROPE_ATTR, checked_rope, unrotate
 logger = logging.getLogger(__name__)
 
 ATTN_NAME = "rfa"
+#: attention kwarg that overrides the layer's ``backend`` for one call (the recipes' training
+#: attention sets ``"auto"`` for a layer whose backend runs without autograd only)
+BACKEND_KWARG = "rfa_backend"
 
 
 class RFAAttention(nn.Module):
@@ -69,8 +72,11 @@ class RFAAttention(nn.Module):
         ``feature_input="unrotated"``: ``kwargs["rfa_rope"]`` is the forward's ``(cos, sin)``; the
         feature part reads q/k with it undone (:mod:`hf_rfa.hf.rope`). With an ``RFACache`` the
         cache layer gets the un-rotated queries and ``(cos, sin)`` and un-rotates the keys it needs
-        itself (its state keeps the rotated window only)."""
+        itself (its state keeps the rotated window only). ``kwargs[BACKEND_KWARG]``: a backend for
+        this call instead of the layer's. Under autocast q/k/v go to the autocast dtype first
+        (:func:`autocast_inputs`)."""
         query, key, value = autocast_inputs(query, key, value)
+        backend = kwargs.get(BACKEND_KWARG) or self.backend
         rope = None
         cache = kwargs.get("rfa_cache_layer")
         if self.feature_input == "unrotated":
@@ -83,7 +89,7 @@ class RFAAttention(nn.Module):
         return random_feature_attention(
             query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
             window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
-            checkpoint_blocks=self.checkpoint_blocks, backend=self.backend,
+            checkpoint_blocks=self.checkpoint_blocks, backend=backend,
             memory=self.memory, memory_every=self.memory_every, memory_score=self.memory_score, feature_rope=rope,
         )
 

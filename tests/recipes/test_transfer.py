@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_rfa
+import hf_rfa.hf.attention as hf_attention
 from hf_rfa.recipes import evaluation
 from hf_rfa.recipes.conversion import calibration, transfer
 from hf_rfa.ops import quadratic_kernel_attention, softmax_attention
@@ -93,6 +94,8 @@ def test_recipes_run_the_op_and_transfer_follows_its_twin_rule(monkeypatch):
     calls, twins = [], []
     real_op, real_twin = calibration.random_feature_attention, transfer.quadratic_kernel_attention
     monkeypatch.setattr(calibration, "random_feature_attention", lambda *a, **k: calls.append(k["checkpoint_blocks"]) or real_op(*a, **k))
+    # LoRA trains through the "rfa" attention itself (RFAAttention.forward), what a user's Trainer runs
+    monkeypatch.setattr(hf_attention, "random_feature_attention", lambda *a, **k: calls.append(k["checkpoint_blocks"]) or real_op(*a, **k))
     monkeypatch.setattr(transfer, "quadratic_kernel_attention", lambda *a, **k: twins.append(1) or real_twin(*a, **k))
     assert 64 <= transfer.TWIN_MAX_KEYS < 1024  # tiny contexts: the twin; the pipeline's 1024: the op
     m = tiny_model("llama")
@@ -338,3 +341,41 @@ def test_lora_finetune_keeps_nothing_of_a_step_alive_into_the_next():
     _, res = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 2, 0), tokens=64 * 2 * 3, lr=1e-2, progress=False)
     assert res.steps == 3 and len(refs) == 3 and all(isinstance(x, float) for x in res.losses)
     assert alive == [0, 0, 0]  # no earlier step's logits alive when a forward starts
+
+
+def test_lora_trains_a_layer_set_to_an_inference_only_backend():
+    """A layer converted with ``backend="inference"`` (no autograd form) refuses a training call
+    from a user (ValueError naming the backend); the recipes' LoRA trains it with ``"auto"``, with
+    the same loss as a layer set to ``"torch"``."""
+    losses = []
+    for backend in ("inference", "torch"):
+        m = tiny_model("llama")
+        hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID, backend=backend))
+        if backend == "inference":
+            m.train()
+            with pytest.raises(ValueError, match="backend='inference'"):
+                m(input_ids=_ids()[None, :32], labels=_ids()[None, :32])
+        _, res = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 32, 1, 0), tokens=64, progress=False)
+        losses.append(res.losses)
+    assert len(losses[0]) == 2
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_lora_under_autocast_keeps_q_k_in_the_autocast_dtype(monkeypatch):
+    """The LoRA stage's attention is the user's ``"rfa"`` path: under bf16 autocast the op gets
+    q/k/v in bf16 and the rotary embedding to undo block by block — what its backward keeps is
+    bf16 q/k/v (the recipes' own attention once handed it float32 q/k plus float32 un-rotated copies
+    of both, all kept for backward)."""
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated", seed=0))
+    seen = []
+    real_op = hf_attention.random_feature_attention
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, kw.get("feature_q") is None, kw.get("feature_rope") is not None))
+        return real_op(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(hf_attention, "random_feature_attention", spy)
+    transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 32, 1, 0), tokens=32, progress=False, autocast=torch.bfloat16)
+    assert len(seen) == m.config.num_hidden_layers
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True)}

@@ -35,7 +35,8 @@ from torch import nn
 
 from . import precision
 from ...hf.loading import is_converted
-from .calibration import Captured, _unrotated, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
+from .calibration import Captured, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
+from ...ops.backends import BACKENDS
 from ...ops.masks import NEG, key_mask_bool, sink_mask
 from ...ops.reference import quadratic_kernel_attention
 
@@ -321,20 +322,17 @@ def attention_transfer(
 
 # --------------------------------------------------------------------------- LoRA stage
 def _train_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function for training (LoRA) and for evaluation in the recipes: the layer's op by
-    :func:`calibration.rfa_output` (its autograd form with the layer's ``checkpoint_blocks`` under
-    autograd; a layer set to an inference-only backend trains with ``"auto"``)."""
-    from ...hf.attention import _padding_mask, rfa_attention_forward
+    """Attention function for training (LoRA) and for evaluation in the recipes: the ``"rfa"``
+    attention itself (:func:`hf_rfa.hf.attention.rfa_attention_forward`, the layer's
+    :class:`~hf_rfa.hf.attention.RFAAttention` — what a user's Trainer runs: q/k/v in the autocast
+    dtype under autocast, the rotary embedding undone block by block inside the op), except that a
+    layer set to an inference-only backend runs ``"auto"`` when the call records a graph."""
+    from ...hf.attention import BACKEND_KWARG, rfa_attention_forward
 
     rfa = getattr(module, "rfa", None)
-    if rfa is None:
-        return rfa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    causal = kwargs.pop("is_causal", None)
-    if causal is None:
-        causal = bool(getattr(module, "is_causal", False))
-    fq, fk = _unrotated(module, rfa, query, key)
-    cap = Captured(query, key, value, None, _padding_mask(attention_mask, key.shape[2]), bool(causal), scaling, fq, fk)
-    return rfa_output(rfa, cap).transpose(1, 2).contiguous(), None
+    if rfa is not None and torch.is_grad_enabled() and rfa.backend in BACKENDS and BACKENDS[rfa.backend].inference_only:
+        kwargs[BACKEND_KWARG] = "auto"
+    return rfa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 def register_train() -> None:
