@@ -105,6 +105,15 @@ def resolve(backend: str, *, grad: bool, causal: bool, device: torch.device, dty
     return backend
 
 
+def training_backend(backend: str) -> str:
+    """The backend a recipe trains a layer set to ``backend`` with: ``"auto"`` in place of one that
+    runs without autograd only when this call records a graph (``torch.is_grad_enabled()``),
+    else ``backend`` (a user's training call with such a layer gets :func:`resolve`'s ValueError)."""
+    if torch.is_grad_enabled() and backend in BACKENDS and BACKENDS[backend].inference_only:
+        return "auto"
+    return backend
+
+
 def honoured(backend: str) -> contextlib.AbstractContextManager:
     """The context a call that asked for ``backend`` runs in: one that asked for another backend
     than ``"auto"`` or ``"compiled"`` does not run the compiled kernels even where they are enabled."""
@@ -129,4 +138,4 @@ def honours_backend(fn: Callable) -> Callable:
     return wrapper
 
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "honoured", "honours_backend", "register_backend", "resolve"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "honoured", "honours_backend", "register_backend", "resolve", "training_backend"]

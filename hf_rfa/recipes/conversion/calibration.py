@@ -34,7 +34,7 @@ from ...hf.attention import ATTN_NAME, _padding_mask, exact_attention, rfa_mask
 from ...hf.convert import find_attention_modules
 from ...hf.rope import ROPE_ATTR, unrotated_qk
 from ...ops import random_feature_attention
-from ...ops.backends import BACKENDS
+from ...ops.backends import training_backend
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +182,7 @@ def rfa_output(rfa: nn.Module, cap: Captured, checkpoint_blocks: bool | None = N
     (``inference``, ``compiled``, ``native``) trains with ``"auto"`` (the ``torch`` form).
     ``benchmarks/transfer_forms.py`` measures the op against the twin.
     """
-    backend = rfa.backend
-    if torch.is_grad_enabled() and backend in BACKENDS and BACKENDS[backend].inference_only:
-        backend = "auto"
+    backend = training_backend(rfa.backend)
     fq, fk = feature_inputs(rfa, cap)
     return random_feature_attention(
         cap.q, cap.k, cap.v, rfa.feature_map, causal=cap.causal, attention_mask=cap.mask, window=rfa.window,

@@ -36,7 +36,7 @@ from torch import nn
 from . import precision
 from ...hf.loading import is_converted
 from .calibration import Captured, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
-from ...ops.backends import BACKENDS
+from ...ops.backends import training_backend
 from ...ops.masks import NEG, key_mask_bool, sink_mask
 from ...ops.reference import quadratic_kernel_attention
 
@@ -330,8 +330,8 @@ def _train_forward(module, query, key, value, attention_mask, scaling=None, drop
     from ...hf.attention import BACKEND_KWARG, rfa_attention_forward
 
     rfa = getattr(module, "rfa", None)
-    if rfa is not None and torch.is_grad_enabled() and rfa.backend in BACKENDS and BACKENDS[rfa.backend].inference_only:
-        kwargs[BACKEND_KWARG] = "auto"
+    if rfa is not None:
+        kwargs[BACKEND_KWARG] = training_backend(rfa.backend)
     return rfa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
