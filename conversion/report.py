@@ -135,28 +135,48 @@ def load_run(spec: str) -> tuple[str, dict]:
     return label, rep
 
 
+def baseline_variant(rep: dict) -> str | None:
+    """The run's window-only baseline at the same window, sinks (and memory) and training budget:
+    ``report["baseline_variant"]`` (written since session 21), else, for older runs, the last row
+    named ``window-only: window W + sinks S…`` with the run's own W and S (None: not measured)."""
+    if "baseline_variant" in rep:
+        return rep["baseline_variant"]
+    cfg = rep.get("config", {})
+    rfa = cfg.get("rfa", cfg)  # older reports: the RFA fields at the top level
+    if not (rfa.get("window") or rfa.get("sinks")):
+        return None
+    head = f"window-only: window {rfa.get('window')} + sinks {rfa.get('sinks')}"
+    names = [r["variant"] for r in rep["rows"] if r["variant"] == head or r["variant"].startswith((head + " ", head + ","))]
+    return names[-1] if names else None
+
+
 def summary_table(runs: list[tuple[str, dict]]) -> str:
-    """One row per run and context: the run's last (most trained) variant against the original."""
+    """One row per run and context: the run's last (most trained) variant against the original, and
+    its window-only baseline (:func:`baseline_variant`; "not measured" where the run has none)."""
     lines = [
-        "| run | final variant | context | perplexity | × original | train tokens | train minutes |",
-        "|---|---|---|---|---|---|---|",
+        "| run | final variant | context | perplexity | × original | window-only, same budget | train tokens | train minutes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    enc = ["| run | final variant | mean cosine | accuracy | train tokens | train minutes |", "|---|---|---|---|---|---|"]
+    enc = ["| run | final variant | mean cosine | window-only, same budget | accuracy | train tokens | train minutes |", "|---|---|---|---|---|---|---|"]
     for label, rep in runs:
         rows = rep["rows"]
+        base = baseline_variant(rep)
         if rep["kind"] == "causal-lm":
             orig = {r["context"]: r["perplexity"] for r in rows if r["variant"].startswith("original")}
+            wo = {r["context"]: r["perplexity"] for r in rows if r["variant"] == base}
             last = {}
             for r in rows:
                 if not r["variant"].startswith("original"):
                     last[r["context"]] = r
             for ctx, r in sorted(last.items()):
                 ratio = r["perplexity"] / orig[ctx] if orig.get(ctx) else float("nan")
-                lines.append(f"| {label} | {r['variant']} | {ctx} | {r['perplexity']:.2f} | {ratio:.3f} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
+                b = f"{wo[ctx]:.2f}" if ctx in wo else "not measured"
+                lines.append(f"| {label} | {r['variant']} | {ctx} | {r['perplexity']:.2f} | {ratio:.3f} | {b} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
         else:
             r = [x for x in rows if not x["variant"].startswith("original")][-1]
             acc = f"{r['accuracy']:.3f}" if "accuracy" in r else ""
-            enc.append(f"| {label} | {r['variant']} | {r['cosine_mean']:.4f} | {acc} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
+            b = next((f"{x['cosine_mean']:.4f}" for x in rows if x["variant"] == base), "not measured")
+            enc.append(f"| {label} | {r['variant']} | {r['cosine_mean']:.4f} | {b} | {acc} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
     out = "\n".join(lines)
     if len(enc) > 2:
         out += "\n\n" + "\n".join(enc)

@@ -207,6 +207,23 @@ def perplexity(
 
 
 # --------------------------------------------------------------------------- encoders
+def pack_texts(tokenizer, texts: list[str], min_tokens: int) -> list[str]:
+    """Consecutive ``texts`` joined by spaces into passages of at least ``min_tokens`` tokens
+    (``tokenizer``'s count without special tokens), in order; a shorter remainder at the end is
+    dropped. Encoders' long-text evaluation: short lines (Wikipedia's paragraphs and headings)
+    become passages much longer than an exact window."""
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
+        raise ValueError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
+    out, cur, n = [], [], 0
+    for t in texts:
+        cur.append(t.strip())
+        n += len(tokenizer(t, add_special_tokens=False)["input_ids"])
+        if n >= min_tokens:
+            out.append(" ".join(cur))
+            cur, n = [], 0
+    return out
+
+
 def _encode(tokenizer, texts: list[str], max_length: int) -> dict:
     return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
 
@@ -255,6 +272,7 @@ def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], b
 
 
 __all__ = [
+    "pack_texts",
     "accuracy",
     "embedding_cosine",
     "load_labelled",

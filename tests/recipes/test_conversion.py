@@ -18,6 +18,7 @@ import torch
 
 import hf_rfa
 from hf_rfa.cli import config_from_args
+from hf_rfa.recipes import evaluation
 from hf_rfa.recipes.conversion import pipeline
 from tiny_models import VOCAB, tiny_model
 
@@ -222,9 +223,18 @@ def test_report_regenerates_from_committed_runs(tmp_path):
         for ctx in {r["context"] for r in rows}:
             orig = next(r for r in rows if r["context"] == ctx and r["variant"].startswith("original"))
             last = [r for r in rows if r["context"] == ctx and not r["variant"].startswith("original")][-1]
-            assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} |" in text
+            base = report.baseline_variant(rep)
+            wo = next((f"{r['perplexity']:.2f}" for r in rows if r["context"] == ctx and r["variant"] == base), "not measured")
+            assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} | {wo} |" in text
     with pytest.raises(ValueError, match="no report.json"):
         report.load_run(str(tmp_path))
+    # the published run's baseline is the same-memory window-only model after its own LoRA
+    _, s20 = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2_main_job_s20.json"))
+    assert report.baseline_variant(s20) == "window-only: window 64 + sinks 4 + memory 256 (value_norm), no features, after LoRA"
+    _, s10 = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2_main_job_s10.json"))
+    assert report.baseline_variant(s10) == "window-only: window 64 + sinks 4, no features, after LoRA"  # not the window-128 one
+    assert report.baseline_variant({"config": {"rfa": {"window": 0, "sinks": 0}}, "rows": []}) is None
+    assert report.baseline_variant({"baseline_variant": "x", "rows": []}) == "x"
 
 
 def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_dir, tmp_path):
@@ -249,6 +259,76 @@ def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_di
     assert wo_rows[f"{wo}, untrained"] != wo_rows[f"{wo}, after LoRA"]
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["long_range"][0]["variant"] == "original (softmax)"
+
+
+def test_encoder_run_carries_the_window_only_baseline(tiny_dir, tmp_path):
+    """An encoder hybrid's report, metrics and model card carry window-only (same window and sinks,
+    no training: encoders have no LoRA stage) next to the features; texts are cut at
+    ``encoder_max_length`` tokens (a longer limit changes what is compared)."""
+    def run(out, n):
+        cfg = pipeline.ConversionConfig(
+            model=tiny_dir["bert"], output=str(tmp_path / out), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
+            transfer_tokens=128, error_tokens=64, encoder_max_length=n, calibration_text=tiny_dir["sent"], eval_text=tiny_dir["eval"],
+            baselines=False, progress=False,
+        )
+        return pipeline.run(cfg)
+
+    rep = run("out", 8)
+    names = [r["variant"] for r in rep["rows"]]
+    wo = "window-only: window 2 + sinks 1, no features, untrained"
+    assert names == ["original (softmax)", wo, "hedgehog m=8 + window 2 + sinks 1, untrained", "hedgehog m=8 + window 2 + sinks 1, after attention transfer"]
+    assert "lora (window-only)" not in rep["stages"]
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["baseline_variant"] == wo and saved["final_variant"] == names[-1]
+    rows = {r["variant"]: r for r in rep["rows"]}
+    assert rows[wo]["cosine_mean"] < 1.0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "window_only_mean" in card and f"{rows[wo]['cosine_mean']:.4g}"[:5] in card
+    longer = {r["variant"]: r for r in run("out32", 32)["rows"]}
+    assert longer[wo]["cosine_mean"] != rows[wo]["cosine_mean"]
+    with pytest.raises(ValueError, match="encoder_max_length"):
+        pipeline.ConversionConfig(model="m", encoder_max_length=0)
+
+
+def test_pack_texts_joins_consecutive_lines_in_order(tiny_dir):
+    tok = _tokenizer()
+    lines = [" ".join(WORDS[i : i + 3]) for i in range(7)]  # 3 tokens each
+    packed = evaluation.pack_texts(tok, lines, 7)
+    assert packed == [" ".join(lines[0:3]), " ".join(lines[3:6])]  # 9 tokens each; the 3-token rest dropped
+    assert evaluation.pack_texts(tok, lines, 100) == []
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="min_tokens"):
+            evaluation.pack_texts(tok, lines, bad)
+
+
+def test_encoder_run_on_packed_passages(tiny_dir, tmp_path):
+    """``encoder_pack_tokens``: calibration, training and evaluation texts become passages of at
+    least that many tokens (here 4 lines of 12 words), so fewer, longer texts are compared."""
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["bert"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
+        transfer_tokens=128, error_tokens=64, encoder_pack_tokens=40, encoder_max_length=64, calibration_text=tiny_dir["sent"],
+        eval_text=tiny_dir["sent"], baselines=False, progress=False,
+    )
+    rep = pipeline.run(cfg)
+    assert {r["sentences"] for r in rep["rows"]} == {10}  # 40 lines of 12 tokens -> 10 passages of 48
+    bad = pipeline.ConversionConfig(**{**cfg.__dict__, "output": str(tmp_path / "bad"), "encoder_pack_tokens": 10_000})
+    with pytest.raises(ValueError, match="calibration_text has fewer than encoder_pack_tokens=10000 tokens"):
+        pipeline.run(bad)
+    with pytest.raises(ValueError, match="encoder_pack_tokens"):
+        pipeline.ConversionConfig(model="m", encoder_pack_tokens=-1)
+
+
+def test_encoder_max_length_beyond_the_model_is_refused(tiny_dir, tmp_path):
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(tiny_dir["bert"]).max_position_embeddings
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["bert"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
+        transfer_tokens=0, encoder_max_length=limit + 1, calibration_text=tiny_dir["sent"], eval_text=tiny_dir["sent"], baselines=False, progress=False,
+    )
+    with pytest.raises(ValueError, match=f"encoder_max_length must be at most the model's max_position_embeddings \\({limit}\\)"):
+        pipeline.run(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 def test_main_job_shaped_run_has_the_equal_state_baseline_and_skips_the_untransferred_map(tiny_dir, tmp_path):

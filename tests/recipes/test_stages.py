@@ -22,8 +22,8 @@ def test_stage_lists_read_top_to_bottom():
         "evaluate_untrained", "attention_transfer", "lora", "causal_metrics", "generation_sample",
     ]
     assert names[ENCODER] == names[CLASSIFIER] == [
-        "load_sentences", "embed_original", "random_baselines", "convert_target", "init_mixing", "evaluate_untrained",
-        "attention_transfer", "encoder_metrics",
+        "load_sentences", "embed_original", "random_baselines", "window_only_baseline", "convert_target", "init_mixing",
+        "evaluate_untrained", "attention_transfer", "encoder_metrics",
     ]
     assert set(EVALUATORS) == set(stages.STAGES)
 

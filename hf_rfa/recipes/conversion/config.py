@@ -39,7 +39,9 @@ class ConversionConfig:
     eval_tokens: int | None = field(default=16384, metadata={"help": "predicted tokens per evaluation (0 or None: all)"})
     error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
     eval_sentences: int = field(default=1000, metadata={"help": "encoders: held-out sentences for embedding cosine / accuracy"})
-    window_only_baseline: bool = field(default=True, metadata={"help": "causal hybrids: also evaluate feature_map='none' (same window and sinks, far keys dropped) untrained and after its own LoRA with the same budget"})
+    encoder_max_length: int = field(default=128, metadata={"help": "encoders: texts (attention transfer, per-layer errors and evaluation) are truncated to this many tokens (at most the model's max_position_embeddings); the longer they are than the window, the more the features must carry"})
+    encoder_pack_tokens: int = field(default=0, metadata={"help": "encoders without labels: join consecutive texts (lines) into passages of at least this many tokens before truncating to encoder_max_length, for calibration, training and evaluation alike (0: each text as it is)"})
+    window_only_baseline: bool = field(default=True, metadata={"help": "hybrids: also evaluate feature_map='none' (same window and sinks, every other key dropped) untrained and, for causal LMs, after its own LoRA with the same budget (encoders have no LoRA stage: the untrained row is the same budget)"})
     baseline_windows: list[int] = field(default_factory=list, metadata={"help": "causal: more window-only baselines (feature_map='none', the recipe's sinks) at these windows, each after its own LoRA with the same budget, e.g. the window holding as many decode-state numbers as the recipe's window + feature state (empty: none)"})
     evaluate_before_transfer: bool = field(default=True, metadata={"help": "learned maps: also evaluate the converted model before attention transfer (its map is an untrained initialisation)"})
     copy_gaps: list[int] = field(default_factory=list, metadata={"help": "long range: copy task at these gaps, every variant (e.g. 512 3584; empty: skip)"})
@@ -85,9 +87,9 @@ class ConversionConfig:
                     f"transfer_query_blocks × transfer_queries must fit in context ({self.context}), got "
                     f"{self.transfer_query_blocks} × {self.transfer_queries}"
                 )
-        for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "random_num_features", "copy_draws", "passkey_trials"):
+        for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "encoder_max_length", "random_num_features", "copy_draws", "passkey_trials"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max", "memory_after_training"):
+        for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max", "memory_after_training", "encoder_pack_tokens"):
             _check_int(name, getattr(self, name), 0)
         if not self.eval_contexts or any(not isinstance(c, int) or c < 2 for c in self.eval_contexts):
             raise ValueError(f"eval_contexts must be a non-empty list of ints >= 2, got {self.eval_contexts!r}")

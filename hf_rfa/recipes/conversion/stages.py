@@ -6,8 +6,8 @@ bottom to follow a run: each stage calls down into :mod:`.calibration`, :mod:`.t
 
 causal LM:  texts → original → random baselines → window-only baseline → convert → init mixing →
             untrained errors → attention transfer → LoRA → metrics → generation sample
-encoder:    sentences → original → random baselines → convert → init mixing → untrained errors →
-            attention transfer → metrics
+encoder:    sentences → original → random baselines → window-only baseline → convert → init mixing →
+            untrained errors → attention transfer → metrics
 """
 
 from __future__ import annotations
@@ -62,14 +62,25 @@ def load_sentences(s: State) -> None:
     cal, _ = evaluation.load_labelled(cfg.calibration_text)
     train = evaluation.load_labelled(cfg.train_text)[0] if cfg.train_text else cal
     ev, labels = evaluation.load_labelled(cfg.eval_text)
+    limit = getattr(s.model.config, "max_position_embeddings", None)
+    if limit is not None and cfg.encoder_max_length > limit:
+        raise ValueError(f"encoder_max_length must be at most the model's max_position_embeddings ({limit}), got {cfg.encoder_max_length}")
+    if cfg.encoder_pack_tokens:
+        if s.kind == CLASSIFIER and labels is not None:
+            raise ValueError("encoder_pack_tokens must be 0 for a classifier with labelled evaluation texts (packed passages have no label)")
+        cal, train, ev = (evaluation.pack_texts(s.tok, x, cfg.encoder_pack_tokens) for x in (cal, train, ev))
+        labels = None
+        for name, x in (("calibration_text", cal), ("train_text", train), ("eval_text", ev)):
+            if not x:
+                raise ValueError(f"{name} has fewer than encoder_pack_tokens={cfg.encoder_pack_tokens} tokens: no passage to evaluate")
     s.texts = {"train": train, "eval": ev[: cfg.eval_sentences], "labels": labels[: cfg.eval_sentences] if labels else None}
-    s.error_batches = list(evaluation.sentence_batches(s.tok, cal[:64], 16))
+    s.error_batches = list(evaluation.sentence_batches(s.tok, cal[:64], 16, cfg.encoder_max_length))
 
     def stream():
         g = torch.Generator().manual_seed(cfg.seed)
         while True:
             order = torch.randperm(len(train), generator=g).tolist()
-            yield from evaluation.sentence_batches(s.tok, [train[i] for i in order], 16)
+            yield from evaluation.sentence_batches(s.tok, [train[i] for i in order], 16, cfg.encoder_max_length)
 
     s.train_stream = stream
 
@@ -82,10 +93,11 @@ def evaluate_original(s: State) -> None:
 def embed_original(s: State) -> None:
     """Encoders: the original's embeddings are the reference (cosine 1), its accuracy the baseline."""
     t = s.texts
-    t["reference"] = evaluation.sentence_embeddings(s.model, s.tok, t["eval"], progress=s.cfg.progress)
+    n = s.cfg.encoder_max_length
+    t["reference"] = evaluation.sentence_embeddings(s.model, s.tok, t["eval"], max_length=n, progress=s.cfg.progress)
     row = {"variant": ORIGINAL, "cosine_mean": 1.0, "cosine_min": 1.0, "sentences": len(t["eval"])}
     if s.kind == CLASSIFIER and t["labels"] is not None:
-        row["accuracy"] = evaluation.accuracy(s.model, s.tok, t["eval"], t["labels"], progress=s.cfg.progress)["accuracy"]
+        row["accuracy"] = evaluation.accuracy(s.model, s.tok, t["eval"], t["labels"], max_length=n, progress=s.cfg.progress)["accuracy"]
     s.rows.append(row)
 
 
@@ -112,8 +124,10 @@ def _lora_stream(s: State):
 
 
 def window_only_baseline(s: State) -> None:
-    """Causal hybrids: the same window and sinks with every other key dropped (``feature_map="none"``),
-    untrained and after its own LoRA with the same token budget (trained on a copy)."""
+    """Hybrids: the same window and sinks with every other key dropped (``feature_map="none"``),
+    untrained and, for causal LMs, after its own LoRA with the same token budget (trained on a
+    copy). Encoders have no LoRA stage and the window-only model nothing for attention transfer to
+    fit: its untrained row is the baseline at the same budget."""
     cfg = s.cfg
     window, sinks = cfg.rfa.window, cfg.rfa.sinks
     if not (cfg.window_only_baseline and (window or sinks) and cfg.rfa.feature_map != "none"):
@@ -123,7 +137,7 @@ def window_only_baseline(s: State) -> None:
     label = f"window-only: window {window} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features"
     evaluate(s, f"{label}, untrained")
     s.baseline = f"{label}, untrained"
-    if cfg.lora_tokens <= 0:
+    if cfg.lora_tokens <= 0 or s.kind != CAUSAL_LM:
         return
     trained, res = transfer.lora_finetune(
         copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
@@ -156,7 +170,10 @@ def convert_target(s: State) -> None:
     s.target = s.cfg.rfa_config()
     convert(s.model, s.target)
     window, sinks = s.target.window, s.target.sinks
-    s.label = f"{s.target.feature_map} m={s.target.num_features}" + (f" + window {window} + sinks {sinks}" if window or sinks else ", pure")
+    if s.target.feature_map == "none":  # no features: num_features means nothing
+        s.label = f"window-only: window {window} + sinks {sinks}, no features"
+    else:
+        s.label = f"{s.target.feature_map} m={s.target.num_features}" + (f" + window {window} + sinks {sinks}" if window or sinks else ", pure")
     if s.target.memory:
         s.label += f" + memory {s.target.memory}"
     if s.target.decay:
@@ -233,6 +250,7 @@ def lora(s: State) -> None:
 def causal_metrics(s: State) -> None:
     """Model-card metrics: the final variant's perplexity against the original's (and window-only's)."""
     s.report["final_variant"] = s.final
+    s.report["baseline_variant"] = s.baseline
     orig = {r["context"]: r for r in s.rows if r["variant"] == ORIGINAL}
     for r in s.rows:
         if r["variant"] != s.final:
@@ -248,10 +266,18 @@ def causal_metrics(s: State) -> None:
 def encoder_metrics(s: State) -> None:
     """Model-card metrics: the final variant's embedding cosine (and accuracy against the original's)."""
     s.report["final_variant"] = s.final
+    s.report["baseline_variant"] = s.baseline
     last = [r for r in s.rows if r["variant"] == s.final][-1]
-    s.metrics[f"embedding cosine to original ({last['sentences']} held-out sentences)"] = {"mean": last["cosine_mean"], "min": last["cosine_min"]}
+    base = next((r for r in s.rows if r["variant"] == s.baseline), None) if s.baseline else None
+    entry = {"mean": last["cosine_mean"], "min": last["cosine_min"]}
+    if base is not None:  # the window-only row with the same training budget, next to the features
+        entry["window_only_mean"] = base["cosine_mean"]
+    s.metrics[f"embedding cosine to original ({last['sentences']} held-out texts, {s.cfg.encoder_max_length} tokens at most)"] = entry
     if "accuracy" in last:
-        s.metrics["accuracy"] = {"converted": last["accuracy"], "original": s.rows[0]["accuracy"]}
+        acc = {"converted": last["accuracy"], "original": s.rows[0]["accuracy"]}
+        if base is not None and "accuracy" in base:
+            acc["window_only"] = base["accuracy"]
+        s.metrics["accuracy"] = acc
 
 
 def generation_sample(s: State) -> None:
@@ -266,7 +292,7 @@ def generation_sample(s: State) -> None:
 
 
 Stage = Callable[[State], None]
-_ENCODER: list[Stage] = [load_sentences, embed_original, random_baselines, convert_target, init_mixing, evaluate_untrained, attention_transfer, encoder_metrics]
+_ENCODER: list[Stage] = [load_sentences, embed_original, random_baselines, window_only_baseline, convert_target, init_mixing, evaluate_untrained, attention_transfer, encoder_metrics]
 #: the stages of a run, in order, per model kind
 STAGES: dict[str, list[Stage]] = {
     CAUSAL_LM: [

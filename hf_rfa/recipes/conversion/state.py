@@ -94,9 +94,10 @@ def _evaluate_encoder(s: State, name: str, model: nn.Module, passkey: bool) -> N
     """Embedding cosine to the original's, and accuracy for classifiers with labels."""
     cfg, t = s.cfg, s.texts
     row = {"variant": name}
-    row.update(evaluation.embedding_cosine(t["reference"], evaluation.sentence_embeddings(model, s.tok, t["eval"], progress=cfg.progress)))
+    n = cfg.encoder_max_length
+    row.update(evaluation.embedding_cosine(t["reference"], evaluation.sentence_embeddings(model, s.tok, t["eval"], max_length=n, progress=cfg.progress)))
     if s.kind == CLASSIFIER and t["labels"] is not None:
-        row["accuracy"] = evaluation.accuracy(model, s.tok, t["eval"], t["labels"], progress=cfg.progress)["accuracy"]
+        row["accuracy"] = evaluation.accuracy(model, s.tok, t["eval"], t["labels"], max_length=n, progress=cfg.progress)["accuracy"]
     s.rows.append(row)
     logger.info("%s: %s", name, row)
 
