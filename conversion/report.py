@@ -26,34 +26,48 @@ _FLAGS = [
 ]
 
 
+_NOT_REPRODUCED = {"model", "output", "overwrite", "progress", "push_to_hub", "eval_contexts", *_FLAGS}
+
+
+def _parser_defaults() -> dict:
+    """``dest -> (default, is_bool)`` of every ``conversion/convert.py`` flag."""
+    from hf_rfa.cli import convert_parser
+
+    out = {}
+    for a in convert_parser()._actions:
+        if a.dest == "help" or not a.option_strings or type(a).__name__ == "_StoreFalseAction":
+            continue
+        out[a.dest] = (a.default, a.nargs == "?")
+    return out
+
+
 def command_of(cfg: dict) -> str:
-    """The ``conversion/convert.py`` command line that reproduces a run's config."""
+    """The ``conversion/convert.py`` command line that reproduces a run's config: the main flags
+    always, every other flag whose value differs from today's default (nothing a run set is lost)."""
     parts = ["python", "conversion/convert.py", "--model", cfg["model"], "--output", cfg["output"]]
     for k in _FLAGS:
         v = cfg.get(k)
         if v is not None:
             parts += [f"--{k.replace('_', '-')}", str(v)]
     parts += ["--eval-contexts", *map(str, cfg["eval_contexts"])]
-    for k in ("copy_gaps", "passkey_lengths"):
-        if cfg.get(k):
-            parts += [f"--{k.replace('_', '-')}", *map(str, cfg[k])]
-    for flag, key in (("--no-hybrid-mix", "hybrid_mix"), ("--no-baselines", "baselines"), ("--no-random-hybrid", "random_hybrid"), ("--no-window-only-baseline", "window_only_baseline")):
-        if cfg.get(key) is False:
-            parts.append(flag)
-    if cfg.get("learnable_projections"):
-        parts.append("--learnable-projections")
-    # the other RFAConfig fields (flags since the configs were nested), where not at their default
-    if cfg.get("layers"):
-        parts += ["--layers", ",".join(map(str, cfg["layers"]))]
-    if cfg.get("gate"):
-        parts.append("--gate")
-    if cfg.get("checkpoint_blocks") is False:
-        parts.append("--no-checkpoint-blocks")
-    for k, default in (("redraw_interval", 0), ("chunk_size", 64), ("backend", "auto"), ("transfer_schedule", "constant"), ("transfer_query_blocks", 1)):
-        if cfg.get(k, default) != default:
-            parts += [f"--{k.replace('_', '-')}", str(cfg[k])]
-    if cfg.get("feature_map_options"):
-        parts += ["--feature-map-options", json.dumps(cfg["feature_map_options"], sort_keys=True)]
+    for k, (default, is_bool) in _parser_defaults().items():
+        if k in _NOT_REPRODUCED or k not in cfg:
+            continue
+        v, flag = cfg[k], f"--{k.replace('_', '-')}"
+        if k == "feature_map_options":
+            if v:
+                parts += [flag, json.dumps(v, sort_keys=True)]
+        elif k == "layers":
+            if v:
+                parts += [flag, ",".join(map(str, v))]
+        elif is_bool:
+            if bool(v) != bool(default):
+                parts.append(flag if v else f"--no-{k.replace('_', '-')}")
+        elif isinstance(v, (list, tuple)):
+            if list(v) != list(default or []):
+                parts += [flag, *map(str, v)]
+        elif v is not None and v != default:
+            parts += [flag, str(v)]
     return " ".join(shlex.quote(p) for p in parts)
 
 

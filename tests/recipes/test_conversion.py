@@ -269,14 +269,15 @@ def test_encoder_run_carries_the_window_only_baseline(tiny_dir, tmp_path):
         cfg = pipeline.ConversionConfig(
             model=tiny_dir["bert"], output=str(tmp_path / out), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
             transfer_tokens=128, error_tokens=64, encoder_max_length=n, calibration_text=tiny_dir["sent"], eval_text=tiny_dir["eval"],
-            baselines=False, progress=False,
+            baselines=False, baseline_windows=[2, 6], progress=False,
         )
         return pipeline.run(cfg)
 
     rep = run("out", 8)
     names = [r["variant"] for r in rep["rows"]]
     wo = "window-only: window 2 + sinks 1, no features, untrained"
-    assert names == ["original (softmax)", wo, "hedgehog m=8 + window 2 + sinks 1, untrained", "hedgehog m=8 + window 2 + sinks 1, after attention transfer"]
+    assert names == ["original (softmax)", wo, "window-only: window 6 + sinks 1, no features, untrained",
+                     "hedgehog m=8 + window 2 + sinks 1, untrained", "hedgehog m=8 + window 2 + sinks 1, after attention transfer"]
     assert "lora (window-only)" not in rep["stages"]
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["baseline_variant"] == wo and saved["final_variant"] == names[-1]

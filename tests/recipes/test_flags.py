@@ -160,6 +160,22 @@ def test_flat_dict_round_trips_and_keeps_the_report_keys():
     assert again.rfa == odd.rfa
 
 
+def test_report_command_reproduces_every_field_a_run_set():
+    """RESULTS' commands once dropped the memory, decay, encoder and baseline-window flags."""
+    report = _script("conversion/report.py")
+    cfg = config_from_args([*BASE, "--feature-map", "hedgehog", "--num-features", "32", "--decay", "128", "--feature-input", "unrotated",
+                            "--memory-score", "feature_error", "--memory-after-training", "256", "--memory-every", "32",
+                            "--encoder-pack-tokens", "512", "--encoder-max-length", "512", "--baseline-windows", "32", "64",
+                            "--copy-gaps", "512", "--train-autocast", "off", "--no-evaluate-before-transfer", "--no-hybrid-mix",
+                            "--transfer-schedule", "cosine", "--random-feature-map", "hedgehog", "--no-progress"])
+    argv = shlex.split(report.command_of(cfg.to_dict()))[2:]
+    again = config_from_args([*argv, "--calibration-text", "c", "--eval-text", "e"])
+    mine, theirs = cfg.to_dict(), again.to_dict()
+    for k in ("progress", "calibration_text", "eval_text"):
+        mine.pop(k), theirs.pop(k)
+    assert theirs == mine
+
+
 def test_evaluate_command_parses_with_hf_argument_parser(capsys):
     from hf_rfa.cli import EvaluateArguments, evaluate_main
 

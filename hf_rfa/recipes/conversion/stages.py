@@ -137,7 +137,13 @@ def window_only_baseline(s: State) -> None:
     label = f"window-only: window {window} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features"
     evaluate(s, f"{label}, untrained")
     s.baseline = f"{label}, untrained"
-    if cfg.lora_tokens <= 0 or s.kind != CAUSAL_LM:
+    if s.kind != CAUSAL_LM:  # encoders: more windows (e.g. the one costing what window + features cost), untrained
+        for w in cfg.baseline_windows:
+            if w != window:
+                convert(s.model, RFAConfig(feature_map="none", window=w, sinks=sinks, seed=cfg.seed))
+                evaluate(s, f"window-only: window {w} + sinks {sinks}, no features, untrained")
+        return
+    if cfg.lora_tokens <= 0:
         return
     trained, res = transfer.lora_finetune(
         copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
@@ -151,7 +157,7 @@ def window_only_baseline(s: State) -> None:
         s.baseline = f"window-only: window {window} + sinks {sinks} + memory {cfg.memory_after_training} (value_norm), no features, after LoRA"
         evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
     del trained
-    for w in cfg.baseline_windows:  # e.g. the equal-decode-state window: trained rows only
+    for w in cfg.baseline_windows:  # e.g. the equal-decode-state window: trained rows only (causal)
         if w == window:
             continue
         convert(s.model, RFAConfig(feature_map="none", window=w, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
