@@ -142,18 +142,20 @@ def random_feature_attention(
         out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native", memory_score, feature_q, feature_k)
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     with honoured(backend):  # (another backend asked: no compiled kernel even where enabled)
-        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k, feature_rope)
+        out = _attention(q, k, v, feature_map, causal, km, min(window, nk), min(sinks, nk), d**-0.5 if scale is None else scale, chunk_size, checkpoint_blocks, be, band_be == "native", feature_q, feature_k, feature_rope, native_forward=backend == "auto")
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return out
 
 
-def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None, feature_rope=None) -> torch.Tensor:
+def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, scale: float, chunk_size: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None, feature_rope=None, native_forward: bool = False) -> torch.Tensor:
     """The computation of :func:`random_feature_attention` on checked arguments once the backend
     is chosen (``km [B, Nk]`` bool or None; ``window``, ``sinks`` at most Nk; ``be``;
     ``native_band``: the exact part of a causal hybrid runs the C++ kernel; ``feature_q/k``: the
     feature part's inputs, or None for q/k; ``feature_rope``: ``(cos, sin)`` to undo (Nq == Nk):
-    block by block where :func:`_hybrid_function_applies`, else up front); returns ``[B, H, Nq, Dv]`` in q's dtype."""
+    block by block where :func:`_hybrid_function_applies`, else up front; ``native_forward``: the
+    recomputing hybrid's forward may answer its exact band with the C++ kernel, where usable);
+    returns ``[B, H, Nq, Dv]`` in q's dtype."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     out_dtype = q.dtype
@@ -172,7 +174,7 @@ def _attention(q, k, v, feature_map, causal: bool, km, window: int, sinks: int, 
     n = q.shape[2]
     root = scale**0.5
     if hybrid:
-        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size, feature_q, feature_k, feature_rope)
+        out = _hybrid_training(q, k, v, feature_map, km, window, sinks, scale, chunk_size, feature_q, feature_k, feature_rope, native_forward)
         return to_output_dtype(out.reshape(b, h, n, -1)[:, :, n - nq :], out_dtype)
     # causal feature part: features are computed block by block inside causal_feature_attention
     # (which also converts and scales q, k, v block by block), never for the whole sequence at
@@ -271,7 +273,7 @@ def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, si
     return needs_grad(q, k, v, feature_q, feature_k, *params)
 
 
-def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int, feature_q=None, feature_k=None, feature_rope=None) -> torch.Tensor:
+def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: float, chunk_size: int, feature_q=None, feature_k=None, feature_rope=None, native_forward: bool = False) -> torch.Tensor:
     """:func:`_attention` for a causal hybrid in training (:func:`_hybrid_function_applies`):
     ``[B,Hkv,G,N,Dv]`` in the compute dtype. ``feature_q``/``feature_k`` (or None): what the
     feature part reads, the gate terms included (as in :func:`_attention`); ``feature_rope``
@@ -291,7 +293,7 @@ def _hybrid_training(q, k, v, feature_map, km, window: int, sinks: int, scale: f
             lk_add, lq_add = _gate_terms(feature_map, gk * scale**0.5, km)
     else:
         feature_q = feature_k = feature_rope = None
-    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k, rope=feature_rope)
+    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k, rope=feature_rope, native_band=native_forward)
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ through :func:`~hf_rfa.ops.rotary.unrotate_adjoint`: nothing more than q, k, v i
 are the model's, shared by its layers).
 
 Forward runs, block by block without a graph: the exact band (:func:`~hf_rfa.ops.recompute.
-_band_tiles`), the feature scan (:func:`~hf_rfa.ops.recompute._scan_block`) on keys delayed by
+_band_tiles`; on a CPU where the C++ kernel is usable, for every query at once by its twin
+:func:`~hf_rfa.ops.backends.native.causal_band` — ``HybridSpec.native_band``), the feature scan (:func:`~hf_rfa.ops.recompute._scan_block`) on keys delayed by
 the window (index arithmetic on k and v, no shifted copy), merge and finalize. Backward walks the
 blocks in reverse: it recomputes the block's scan with autograd from its saved state (carrying the
 state's gradient, as ``ScanFunction``), the band's probabilities, and merge + finalize with
@@ -35,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .backends import native
 from .hybrid import BandPlan, band_plan
-from .masks import no_autocast
+from .masks import exp_floor, no_autocast
 from .partial import Partial, finalize, merge
 from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, own_params, param_leaves, with_params
 from .recurrent import LinearState
@@ -59,9 +61,10 @@ class HybridSpec:
     root: float
     eps: float
     ct: torch.dtype
+    native_band: bool = False
 
 
-def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None, rope=None) -> torch.Tensor:
+def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None, rope=None, native_band: bool = False) -> torch.Tensor:
     """Causal hybrid (exact window + sinks, feature map for the other keys) by
     :class:`HybridFunction`: ``q [B,H,N,D]``, ``k [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]``,
     ``key_mask [B,N]`` bool or None (padding), ``feat_mask [B,N]`` bool (keys the feature part
@@ -71,7 +74,10 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
     ``feature_q [B,H,N,D]`` / ``feature_k [B,Hkv,N,D]`` (both or neither; ignored without a
     feature part): what the feature scan reads instead of q/k (the band always reads q, k).
     ``rope = (cos, sin)`` ``[B|1, N, Dr]`` (not with feature_q/feature_k): the scan reads q/k with
-    that rotary embedding undone, recomputed per block (nothing un-rotated is saved). Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
+    that rotary embedding undone, recomputed per block (nothing un-rotated is saved).
+    ``native_band``: forward answers the exact band with the C++ kernel where it is usable (CPU,
+    float32 compute, not compiling; see :func:`~hf_rfa.ops.backends.native.usable`), else PyTorch.
+    Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
     if (feature_q is None) != (feature_k is None):
@@ -99,7 +105,8 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
         scaled = probe.log_scale is not None or lk_add is not None
         names, params = map_params(feature_map)
         scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct, names)
-    spec = HybridSpec(plan, scan, _units(plan, scan), window, scale**0.5, feature_map.eps, ct)
+    native_band = native_band and native.usable(q.device, ct)
+    spec = HybridSpec(plan, scan, _units(plan, scan), window, scale**0.5, feature_map.eps, ct, native_band)
     return HybridFunction.apply(spec, q, k, v, feature_q, feature_k, cos, sin, feat_mask if feature else None, lq_add, lk_add, *params)
 
 
@@ -276,11 +283,15 @@ class HybridFunction(torch.autograd.Function):
         def run():
             ks, vs = _sinks(spec, k, v)
             S, ref = _initial_state(spec, b, hkv, dv, q.device) if spec.scan is not None else (None, None)
+            whole = _native_band(spec, q, k, v) if spec.native_band else None
             for unit in spec.units:
                 t0, t1 = unit[0], unit[1]
                 xq = q[:, :, t0:t1].to(spec.ct)
-                pb, ps, r, _, vbu, _, _ = _band_unit(spec, unit, xq, k, v, ks, vs)
-                band = Partial(*_band_partial(spec, unit, pb, ps, r, vbu, vs))
+                if whole is not None:
+                    band = Partial(whole[0][..., t0:t1, :], whole[1][..., t0:t1], whole[2][..., t0:t1])
+                else:
+                    pb, ps, r, _, vbu, _, _ = _band_unit(spec, unit, xq, k, v, ks, vs)
+                    band = Partial(*_band_partial(spec, unit, pb, ps, r, vbu, vs))
                 feat = None
                 if spec.scan is not None:
                     fq = _block_queries(spec, xq, feature_q, cos, sin, t0, t1)
@@ -314,6 +325,15 @@ class HybridFunction(torch.autograd.Function):
 
         _bound(spec, params, run)
         return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, cos, sin, lq_add, lk_add))
+
+
+def _native_band(spec: HybridSpec, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact band's ``(num [B,Hkv,G,N,Dv], den [B,Hkv,G,N], ls)`` for every query at once, by
+    the C++ kernel (float32; forward only: backward recomputes the band per block in PyTorch)."""
+    plan = spec.plan
+    num, den, ls = native.causal_band(q, k, v, spec.root**2, plan.key_mask, plan.window, plan.spos, plan.sexists, plan.c, exp_floor(torch.float32))
+    shape = (plan.b, plan.hkv, plan.g, plan.n)
+    return num.view(*shape, -1), den.view(shape), ls.view(shape)
 
 
 def _own_params(spec: HybridSpec, params) -> bool:
