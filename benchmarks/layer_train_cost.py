@@ -7,7 +7,9 @@ receives under ``torch.autocast``), the model's rotary embedding; forward, then 
 ``out.float().sum()``. Cases, interleaved round by round (this machine's speed drifts): the main
 job's recipe (``train_step.RECIPES["main"]``: Hedgehog m=64 + window 64 + 4 sinks + decay on
 un-rotated q/k), its exact band alone (``feature_map="none"``, same window and sinks) and
-``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``. Prints one JSON line per N with
+``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``; with ``--pytorch-band`` also the
+recipe with its forward's exact band in PyTorch (``hf_rfa.set_native(False)`` around the call: the
+form before session 22, where the forward's band became the C++ kernel's). Prints one JSON line per N with
 the fastest forward and backward milliseconds of each case and the ratios to SDPA's fwd+bwd.
 """
 
@@ -40,6 +42,18 @@ def _time(fn, rounds: int) -> tuple[float, float]:
     return min(fwd) * 1e3, min(bwd) * 1e3
 
 
+def _without_native(fn):
+    """``fn()`` with the C++ kernels off (restored after)."""
+    from hf_rfa.ops.backends import native
+
+    old = native.native_enabled()
+    native.set_native(False)
+    try:
+        return fn()
+    finally:
+        native.set_native(old)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
@@ -47,6 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (the fastest counts)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pytorch-band", action="store_true", help="add the recipe with the C++ band kernel off (PyTorch band in forward)")
     args = ap.parse_args(argv)
     window = RECIPES["main"]["window"]
     if min(args.n) <= window:
@@ -77,6 +92,8 @@ def main(argv=None) -> None:
         rope = base.model.rotary_emb(q.float().transpose(1, 2)[:, :, 0], torch.arange(n)[None])
         scale = d**-0.5
         cases = {name: (lambda m=m: m(q, k, v, None, True, scale, rfa_rope=rope)) for name, m in layers.items()}
+        if args.pytorch_band:
+            cases["recipe, PyTorch band"] = lambda m=layers["recipe"]: _without_native(lambda: m(q, k, v, None, True, scale, rfa_rope=rope))
         cases["sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         best: dict[str, list[float]] = {name: [float("inf"), float("inf")] for name in cases}
         for name, fn in cases.items():  # warm-up

@@ -20,10 +20,10 @@ def test_small_run_prints_every_case(capsys):
         import layer_train_cost
     finally:
         sys.path.pop(0)
-    layer_train_cost.main(["--n", "160", "--rounds", "1", "--threads", "1", "--dtype", "fp32"])
+    layer_train_cost.main(["--n", "160", "--rounds", "1", "--threads", "1", "--dtype", "fp32", "--pytorch-band"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["n"] == 160 and row["dtype"] == "fp32"
-    assert set(row["ms"]) == {"recipe", "band only", "sdpa"}
+    assert set(row["ms"]) == {"recipe", "recipe, PyTorch band", "band only", "sdpa"}
     for case in row["ms"].values():
         assert case["fwd"] > 0 and case["bwd"] > 0
     assert row["fwd_bwd_vs_sdpa"]["sdpa"] == 1.0 and row["fwd_bwd_vs_sdpa"]["recipe"] > 0
