@@ -1,5 +1,5 @@
 """benchmarks/profile_step.py: bad arguments fail before loading anything; a real (short) profile
-of the converted SmolLM2 names the hybrid's autograd function."""
+of the converted SmolLM2 under bf16 autocast names the hybrid's autograd function."""
 
 import subprocess
 import sys
@@ -18,6 +18,6 @@ def test_bad_arguments_are_value_errors():
 
 
 @pytest.mark.slow
-def test_profile_of_the_converted_step_shows_the_hybrid():
-    out = subprocess.run([sys.executable, str(_PATH), "--n", "128", "--top", "40"], capture_output=True, text=True, timeout=600, check=True)
-    assert "N=128" in out.stdout and "tok/s" in out.stdout and "HybridFunction" in out.stdout
+def test_profile_of_the_converted_bf16_step_shows_the_hybrid():
+    out = subprocess.run([sys.executable, str(_PATH), "--n", "128", "--top", "40", "--dtype", "bf16"], capture_output=True, text=True, timeout=600, check=True)
+    assert "bf16, N=128" in out.stdout and "tok/s" in out.stdout and "HybridFunction" in out.stdout
