@@ -286,7 +286,8 @@ class HybridFunction(torch.autograd.Function):
             whole = _native_band(spec, q, k, v) if spec.native_band else None
             for unit in spec.units:
                 t0, t1 = unit[0], unit[1]
-                xq = q[:, :, t0:t1].to(spec.ct)
+                # the block's queries in the compute dtype, for the PyTorch band and the scan
+                xq = q[:, :, t0:t1].to(spec.ct) if whole is None or spec.scan is not None else None
                 if whole is not None:
                     band = Partial(whole[0][..., t0:t1, :], whole[1][..., t0:t1], whole[2][..., t0:t1])
                 else:

@@ -13,7 +13,7 @@ from hf_rfa.ops import attention, hybrid_recompute
 from hf_rfa.ops.backends import native
 from tolerances import GRAD_FP32, ORACLE_FP32
 
-from test_hybrid_recompute import B, CASES, D, H, N, _close, _fm, _grads, _inputs
+from test_hybrid_recompute import B, CASES, D, H, N, _case, _close, _fm, _grads, _inputs
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the C++ kernel does not build here")
 
@@ -48,18 +48,14 @@ def _run(fm, tensors, up, enabled: bool, **kw):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_band_forward_matches_the_pytorch_band(case, small_blocks, band_calls):
-    name, decay, window, sinks, pad, h = CASES[case]
-    q, k, v, mask = _inputs(h=h, pad=pad)
-    fm = _fm(name, decay, h=h)
-    up = torch.randn(B, h, N, D, generator=torch.Generator().manual_seed(1))
-    kw = dict(attention_mask=mask, window=window, sinks=sinks)
-    want = _run(fm, (q, k, v), up, False, **kw)
+    fm, qkv, up, kw = _case(case)
+    want = _run(fm, qkv, up, False, **kw)
     assert band_calls == []
-    got = _run(fm, (q, k, v), up, True, **kw)
+    got = _run(fm, qkv, up, True, **kw)
     assert len(band_calls) == 1  # one call for the whole sequence
     assert (got[0] - want[0]).abs().max() <= ORACLE_FP32 * want[0].abs().max()
     _close(got, want, GRAD_FP32)
-    twin = _grads(fm, (q, k, v), up, False, **kw)  # the autograd form
+    twin = _grads(fm, qkv, up, False, **kw)  # the autograd form
     _close(got, twin, GRAD_FP32)
 
 

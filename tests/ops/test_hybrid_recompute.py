@@ -78,6 +78,15 @@ def _grads(fm, tensors, up, ckpt, chunk_size=4, **kw):
     return [out] + [t.grad for t in leaves] + [None if p.grad is None else p.grad.clone() for p in fm.parameters()]
 
 
+def _case(case: str, dtype=torch.float32):
+    """``(fm, (q, k, v), up, kw)`` of ``CASES[case]`` in ``dtype``: the map, inputs, the output's
+    upstream gradient and the op's keyword arguments (mask, window, sinks)."""
+    name, decay, window, sinks, pad, h = CASES[case]
+    q, k, v, mask = _inputs(h=h, pad=pad, dtype=dtype)
+    up = torch.randn(B, h, N, D, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    return _fm(name, decay, dtype, h=h), (q, k, v), up, dict(attention_mask=mask, window=window, sinks=sinks)
+
+
 def _close(got: list, want: list, tol: float) -> None:
     """Each pair within ``tol`` (relative), or both None (a parameter without a gradient: W ≥ N)."""
     assert len(got) == len(want)
@@ -105,13 +114,10 @@ CASES = {  # name: (map, decay, window, sinks, padding, query heads)
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hybrid_function_matches_autograd_form_float32(case, small_blocks):
-    name, decay, window, sinks, pad, h = CASES[case]
-    q, k, v, mask = _inputs(h=h, pad=pad)
-    fm = _fm(name, decay, h=h)
-    up = torch.randn(B, h, N, D, generator=torch.Generator().manual_seed(1))
-    kw = dict(attention_mask=mask, window=window, sinks=sinks)
-    want = _grads(fm, (q, k, v), up, False, **kw)
-    got = _grads(fm, (q, k, v), up, True, **kw)
+    window = CASES[case][2]
+    fm, qkv, up, kw = _case(case)
+    want = _grads(fm, qkv, up, False, **kw)
+    got = _grads(fm, qkv, up, True, **kw)
     assert len(got) == 4 + len(list(fm.parameters()))
     assert all(x is not None for x in got[: 4 if window >= N else None])
     _close(got, want, GRAD_FP32)
@@ -119,13 +125,9 @@ def test_hybrid_function_matches_autograd_form_float32(case, small_blocks):
 
 @pytest.mark.parametrize("case", ["favor+-W6-S3", "favor+-W>=N-S2", "favor+-decay-W6-S2", "hedgehog-W6-S2", "hedgehog-decay-W6-S2"])
 def test_hybrid_function_matches_autograd_form_float64(case, small_blocks):
-    name, decay, window, sinks, pad, h = CASES[case]
-    q, k, v, mask = _inputs(h=h, pad=pad, dtype=torch.float64)
-    fm = _fm(name, decay, torch.float64, h=h)
-    up = torch.randn(B, h, N, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    kw = dict(attention_mask=mask, window=window, sinks=sinks)
-    want = _grads(fm, (q, k, v), up, False, **kw)
-    got = _grads(fm, (q, k, v), up, True, **kw)
+    fm, qkv, up, kw = _case(case, torch.float64)
+    want = _grads(fm, qkv, up, False, **kw)
+    got = _grads(fm, qkv, up, True, **kw)
     assert got[0].dtype == torch.float64
     _close(got, want, GRAD_FP64)
 
