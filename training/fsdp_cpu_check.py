@@ -96,6 +96,9 @@ def main() -> None:
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump({"fsdp_units": len(units), "wrap": sorted(wrap), "losses": losses, "reference_losses": ref_losses, "fingerprints": prints, "world_size": world}, f, indent=1)
+    # both ranks tear gloo down together: a rank destroying its group while the other still has
+    # work in flight aborted now and then ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
