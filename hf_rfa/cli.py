@@ -42,6 +42,21 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# --------------------------------------------------------------------------- installed entry points
+def _command(main):
+    """An installed command around ``main``: the console-script wrapper calls ``sys.exit(command())``,
+    so the command returns 0 on success (``main`` itself returns its report for Python callers; a dict
+    given to ``sys.exit`` would be printed to stderr and exit with status 1)."""
+
+    def command(argv: list[str] | None = None) -> int:
+        main(argv)
+        return 0
+
+    command.__name__ = command.__qualname__ = f"{main.__name__}_command"
+    command.__doc__ = f"Installed command: runs :func:`{main.__name__}`, exits 0 on success."
+    return command
+
+
 # --------------------------------------------------------------------------- hf-rfa-convert
 def convert_parser():
     """``HfArgumentParser`` over :class:`ConversionConfig` (its ``RFAConfig`` spread into flags);
@@ -199,3 +214,9 @@ def train_accelerate_main(argv: list[str] | None = None) -> dict:
         return train(*args)
     finally:
         _end_process_group()
+
+
+convert_command = _command(convert_main)
+evaluate_command = _command(evaluate_main)
+finetune_command = _command(finetune_main)
+train_accelerate_command = _command(train_accelerate_main)
