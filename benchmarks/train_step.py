@@ -6,10 +6,10 @@
     .venv/bin/python benchmarks/train_step.py --n 16384 --dtypes fp32-ckpt --models converted
 
 Batch 1, ``model(ids, labels=ids).loss.backward()``, all parameters trainable, ``model.train()``;
-converted = ``--recipe``: ``main`` (default; the main job's recipe since session 9, Hedgehog m=64 +
+converted = ``--recipe``: ``main`` (default; the main job's recipe, Hedgehog m=64 +
 window 64 + 4 sinks + decay on un-rotated q/k; rows in ``results/train_step_recipe.*``) or
-``favor256`` (FAVOR+ m=256 + window 256 + 4 sinks, the recipe the issue-14 table was first
-measured with; rows in ``results/train_step.*``). Each case (model, N,
+``favor256`` (FAVOR+ m=256 + window 256 + 4 sinks, the first recipe of
+the training-speed table; rows in ``results/train_step.*``). Each case (model, N,
 dtype) runs in its own subprocess (so its peak RSS, ``resource.getrusage``, is its own): load,
 convert, one warm-up step, ``--steps`` measured steps (tokens/s = N / the fastest one). ``bf16``
 runs the step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (what Trainer's ``--bf16``
@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: converted recipes (``--recipe``): ``main`` is ``make main``'s since session 9; ``favor256`` the
-#: one the issue-14 table was first measured with (``benchmarks/results/train_step.md``)
+#: converted recipes (``--recipe``): ``main`` is ``make main``'s; ``favor256`` the
+#: first recipe of the training-speed table (``benchmarks/results/train_step.md``)
 RECIPES = {
     "main": dict(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128.0, feature_input="unrotated", seed=0, feature_map_options={"hybrid_mix": True}),
     "favor256": dict(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0),
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         "# Training step: original vs converted SmolLM2-135M\n\n"
         "`benchmarks/train_step.py`, batch 1, fwd+bwd with labels=ids, all parameters trainable, threads per row, "
         f"fastest measured step after a warm-up; converted = {RECIPE_NAMES[args.recipe]} (`--recipe {args.recipe}`); peak RSS of the case's own process; "
-        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt / bf16-ckpt = fp32 / bf16 autocast with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward); fp32-compile = fp32 with each decoder layer compiled whole (regional `torch.compile`, `fullgraph=True`: converted by `hf_rfa.compile_layers`, original by `layer.compile(fullgraph=True)`; both with `use_cache=False`; the warm-up step compiles, its seconds are `warmup_seconds` in the .json; rows before session 15's second run compiled with graph breaks). Original and converted of a row ran back to back (the ratio is measured "
+        "bf16 = `torch.autocast(\"cpu\", dtype=torch.bfloat16)`; fp32-ckpt / bf16-ckpt = fp32 / bf16 autocast with `model.gradient_checkpointing_enable()` (each decoder layer recomputed in backward); fp32-compile = fp32 with each decoder layer compiled whole (regional `torch.compile`, `fullgraph=True`: converted by `hf_rfa.compile_layers`, original by `layer.compile(fullgraph=True)`; both with `use_cache=False`; the warm-up step compiles, its seconds are `warmup_seconds` in the .json; the earliest rows compiled with graph breaks). Original and converted of a row ran back to back (the ratio is measured "
         "under one machine load; the 1-minute load average of each case is in the .json). Produced by (2-core machine; a load above "
         "the thread count means other jobs shared it; then the wall-clock tokens/s understate both models, and tokens per CPU-second of "
         "the process — one thread — track the compute cost better):\n\n" + cmds + "\n\n" + table + "\n"
