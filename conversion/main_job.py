@@ -12,21 +12,23 @@
 3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
    every other key dropped, its own LoRA with the same budget), the strongest trivial baseline;
 4. switches on an **exact memory** of 256 keys per kv head after training (``--memory-after-training
-   256``, :func:`hf_rfa.set_memory`; it has no parameters; 128 in session 16): in the recipe the features choose it —
+   256``, :func:`hf_rfa.set_memory`; it has no parameters): in the recipe the features choose it —
    the keys whose value the feature state recalls worst (``--memory-score feature_error``) — in the
    window-only baseline (no features) the keys with the largest ‖v‖; both are evaluated again and the
-   published model keeps its memory. (The equal-decode-state window-only 128 baseline of sessions
-   11–14 is left out to make room: its LoRA and rows are deterministic and recorded in those runs,
-   ``--baseline-windows 128`` brings it back);
+   published model keeps its memory. (The equal-decode-state window-only 128 baseline is left out
+   to make room; ``--baseline-windows 128`` brings it back);
 5. evaluates every variant (original / window-only untrained, after LoRA, and + memory / hybrid after
    transfer, after transfer + LoRA, and + memory) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
    4,096 and 8,192 predicted tokens), the copy task at gaps 512 and 3,584 (2 seeded draws each)
    and, for the original and the trained variants, passkey retrieval at 1,024 tokens (4 trials × 3
    depths). These budgets keep ``make main`` within 30 min on a 2-core CPU; the larger long-range
    grid (8 copy draws, passkey at 1k–8k with 20 trials per cell) is ``hf-rfa-evaluate`` on the
-   output folder (commands in ``conversion/RESULTS.md``);
+   output folder (``docs/conversion.md``);
 6. prints the table, a greedy generation sample (decoded with the constant-memory cache) and the
-   output folder (Hub-ready export, ``report.json`` with every figure).
+   output folder (Hub-ready export, ``report.json`` with every figure), and writes the run file
+   ``conversion/results/runs/smollm2-recall_v<version>.json``: that report with paths under the
+   home folder written as ``~/…`` (``python conversion/report.py --docs`` renders it into
+   ``docs/results.md``).
 ``--quick`` is a few-minute run (context 512, window 64, a few LoRA steps, small eval); flags after the
 known ones go to ``conversion/convert.py`` (e.g. ``--transfer-tokens 100000``).
 """
@@ -34,8 +36,11 @@ known ones go to ``conversion/convert.py`` (e.g. ``--transfer-tokens 100000``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shlex
+import sys
 import time
 
 
@@ -78,16 +83,52 @@ def asset_args(output: str) -> list[str]:
     ]
 
 
+def run_file_name() -> str:
+    """Where the run is kept: ``conversion/results/runs/<model>-<preset>_v<version>.json``."""
+    import hf_rfa
+
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "runs", f"smollm2-recall_v{hf_rfa.__version__}.json")
+
+
+def portable(obj, home: str | None = None):
+    """``obj`` (a report) with every string under the home folder written as ``~/…``, so that a
+    committed run names no folder of the machine it ran on."""
+    home = (home or os.path.expanduser("~")).rstrip("/")
+    if isinstance(obj, dict):
+        return {k: portable(v, home) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v, home) for v in obj]
+    if isinstance(obj, str) and home and (obj == home or obj.startswith(home + "/")):
+        return "~" + obj[len(home):]
+    return obj
+
+
+def write_run_file(output: str, path: str, command: str) -> None:
+    """Copy ``output/report.json`` to ``path`` (:func:`portable`, with the ``command`` that made it)."""
+    with open(os.path.join(output, "report.json"), encoding="utf-8") as f:
+        report = portable(json.load(f))
+    report["command"] = command
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few-minute run")
     p.add_argument("--output", default=os.path.join("out", "smollm2-135m-rfa"))
+    p.add_argument("--run-file", default=None, help="where to keep the run's report (default: conversion/results/runs/smollm2-recall_v<version>.json; none with --quick; '' for none)")
     a, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     start = time.time()
     import convert
 
     convert.main((QUICK if a.quick else DEFAULT) + asset_args(a.output) + rest)
+    run_file = a.run_file if a.run_file is not None else ("" if a.quick else run_file_name())
+    if run_file:
+        given = argv if argv is not None else sys.argv[1:]
+        write_run_file(a.output, run_file, "make main" if not given else "python conversion/main_job.py " + shlex.join(given))
+        logging.getLogger("main_job").info("run file: %s", run_file)
     print(f"main job: {(time.time() - start) / 60:.1f} min wall (2 shared CPU cores)")
 
 

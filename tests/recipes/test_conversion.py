@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -205,18 +206,22 @@ def test_smollm2_quick_conversion_improves_over_untrained(tmp_path):
     assert rows["after attention transfer"] < rows["untrained"]
 
 
-def test_report_regenerates_from_committed_runs(tmp_path):
-    """conversion/RESULTS.md is rendered from the report.json copies kept in the repository: every
-    causal run's summary row is its last variant over the original at the same context."""
+def test_report_regenerates_from_committed_runs(tmp_path, monkeypatch):
+    """docs/results.md is rendered from the report.json copies kept in the repository, byte for byte
+    (``python conversion/report.py --docs``); every causal run's summary row is its last variant over
+    the original at the same context, next to its window-only baseline."""
     import glob
 
     report = _script("report")
 
     specs = sorted(glob.glob(os.path.join(ROOT, "conversion", "results", "runs", "*.json")))
     assert specs, "no committed conversion runs"
-    text = report.render(specs)
+    text = report.docs_page(ROOT)
+    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+        assert f.read() == text, "docs/results.md is stale: run `python conversion/report.py --docs`"
     for spec in specs:
         label, rep = report.load_run(spec)
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+_v\d+\.\d+\.\d+", label), f"run {label!r}: name it <model>-<preset>_v<version>"
         if rep["kind"] != "causal-lm":
             continue
         rows = rep["rows"]
@@ -228,13 +233,37 @@ def test_report_regenerates_from_committed_runs(tmp_path):
             assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} | {wo} |" in text
     with pytest.raises(ValueError, match="no report.json"):
         report.load_run(str(tmp_path))
+    with pytest.raises(ValueError, match="no committed runs"):
+        report.docs_page(str(tmp_path))
     # the published run's baseline is the same-memory window-only model after its own LoRA
-    _, s20 = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2_main_job_s20.json"))
-    assert report.baseline_variant(s20) == "window-only: window 64 + sinks 4 + memory 256 (value_norm), no features, after LoRA"
-    _, s10 = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2_main_job_s10.json"))
-    assert report.baseline_variant(s10) == "window-only: window 64 + sinks 4, no features, after LoRA"  # not the window-128 one
+    _, recall = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2-recall_v0.2.0.json"))
+    assert report.baseline_variant(recall) == "window-only: window 64 + sinks 4 + memory 256 (value_norm), no features, after LoRA"
+    assert "```\nmake main\n```" in text
+    # reports without "baseline_variant": the last window-only row with the run's own window and sinks
+    old = {"config": {"rfa": {"window": 64, "sinks": 4}}, "rows": [
+        {"variant": "window-only: window 64 + sinks 4, no features, after LoRA"},
+        {"variant": "window-only: window 128 + sinks 4, no features, after LoRA"}]}
+    assert report.baseline_variant(old) == "window-only: window 64 + sinks 4, no features, after LoRA"  # not the window-128 one
     assert report.baseline_variant({"config": {"rfa": {"window": 0, "sinks": 0}}, "rows": []}) is None
     assert report.baseline_variant({"baseline_variant": "x", "rows": []}) == "x"
+    assert report.command_of({"model": "~/m dir", "output": "o", "eval_contexts": [8]}).startswith("python conversion/convert.py --model ~/'m dir' --output o")
+
+
+def test_main_job_run_file_is_portable(tmp_path):
+    """make main keeps its report as conversion/results/runs/smollm2-recall_v<version>.json, with no
+    folder of the machine it ran on."""
+    main_job = _script("main_job")
+    home = str(tmp_path / "home")
+    rep = {"model": home + "/.cache/hf_rfa/smollm2", "config": {"eval_text": home + "/x/eval.txt", "texts": [home, "wikipedia:eval"]},
+           "other": home + "x"}
+    assert main_job.portable(rep, home) == {"model": "~/.cache/hf_rfa/smollm2", "config": {"eval_text": "~/x/eval.txt", "texts": ["~", "wikipedia:eval"]},
+                                            "other": home + "x"}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps({"model": os.path.expanduser("~/m")}))
+    main_job.write_run_file(str(out), str(tmp_path / "runs" / "r.json"), "make main")
+    assert json.loads((tmp_path / "runs" / "r.json").read_text()) == {"model": "~/m", "command": "make main"}
+    assert main_job.run_file_name().endswith(os.path.join("conversion", "results", "runs", f"smollm2-recall_v{hf_rfa.__version__}.json"))
 
 
 def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_dir, tmp_path):

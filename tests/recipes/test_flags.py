@@ -202,5 +202,5 @@ def test_report_long_range_table_shows_the_key_accuracy_only_where_it_differs():
     table = report.long_range_table(rep)
     assert "| a | 20.00 | 33% (key 100%) |" in table
     assert "| b | 21.00 | 50% |" in table
-    old = {"rows": rep["rows"][:1], "long_range": [{"variant": "a", "passkey": {"mean": {"2048": 1.0}}}]}  # runs before session 18
+    old = {"rows": rep["rows"][:1], "long_range": [{"variant": "a", "passkey": {"mean": {"2048": 1.0}}}]}  # older runs measured no key accuracy
     assert "| a | 20.00 | 100% |" in report.long_range_table(old)
