@@ -40,7 +40,7 @@ VARIANTS = {
     # equal-state baseline (window-only W128): the cache bytes should match within the shared rotary ring
     "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated": dict(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated"),
     "window-only W=128 S=4": dict(feature_map="none", window=128, sinks=4),
-    # session 16: the main job's published model (the recipe + an exact memory of 128 keys per kv
+    # the recall recipe with a memory (the recipe + an exact memory of 128 keys per kv
     # head chosen by the feature state's recall error) and its baseline (window-only W64 + the memory by ||v||)
     "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=128 feature_error": dict(
         feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated", memory=128, memory_every=64, memory_score="feature_error"),

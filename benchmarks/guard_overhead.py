@@ -1,4 +1,4 @@
-"""Overhead of the input guard of ``random_feature_attention`` (issue 17): the same call with
+"""Overhead of the input guard of ``random_feature_attention``: the same call with
 the guard and with it replaced by identity, measured in the same run (one thread, median of 9).
 
     python benchmarks/guard_overhead.py

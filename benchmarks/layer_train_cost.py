@@ -9,7 +9,7 @@ job's recipe (``train_step.RECIPES["main"]``: Hedgehog m=64 + window 64 + 4 sink
 un-rotated q/k), its exact band alone (``feature_map="none"``, same window and sinks) and
 ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``; with ``--pytorch-band`` also the
 recipe with its forward's exact band in PyTorch (``hf_rfa.set_native(False)`` around the call: the
-form before session 22, where the forward's band became the C++ kernel's). Prints one JSON line per N with
+form before the forward's band became the C++ kernel's). Prints one JSON line per N with
 the fastest forward and backward milliseconds of each case and the ratios to SDPA's fwd+bwd.
 """
 

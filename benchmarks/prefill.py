@@ -1,9 +1,9 @@
 """Model-level prefill guard: a converted causal LM's forward over N tokens vs the original's.
 
 Loads the model (default: the offline SmolLM2-135M-Instruct), times one no-grad forward over N
-held-out tokens with the original (SDPA) and with a converted copy (default: the main job's
-recipe before session 9, FAVOR+ m=256 + window 256 + 4 sinks), interleaved ``--reps`` times so both see the same
-machine load, and prints the median seconds, the ratio and whether the goal (issue 13: converted
+held-out tokens with the original (SDPA) and with a converted copy (default: an earlier main job's
+recipe, FAVOR+ m=256 + window 256 + 4 sinks), interleaved ``--reps`` times so both see the same
+machine load, and prints the median seconds, the ratio and whether the goal (converted
 ≥ 1.5× faster at 16,384 tokens) is met. One JSON line per N, then a Markdown table.
 
     python benchmarks/prefill.py [--n 4096 16384] [--reps 2] [--threads 2] [--goal 1.5]

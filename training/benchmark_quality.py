@@ -41,7 +41,7 @@ CLS_VARIANTS = {
 
 @dataclass
 class BenchArguments:
-    output_dir: str = field(default="/tmp/hf_rfa_bench", metadata={"help": "scratch folder for the runs"})
+    output_dir: str = field(default=os.path.join("out", "hf_rfa_bench"), metadata={"help": "scratch folder for the runs"})
     results_file: str = field(default=os.path.join(HERE, "RESULTS.md"), metadata={"help": "markdown file to write"})
     skip_cls: bool = field(default=False, metadata={"help": "skip the classification part"})
     skip_lm: bool = field(default=False, metadata={"help": "skip the SmolLM2 part"})
@@ -103,7 +103,11 @@ def run(cmd: list[str], out: str, reuse: bool = False, threads: int = 0) -> dict
 
 def _display(cmd: list[str]) -> str:
     text = shlex.join(["python" if c == sys.executable else c for c in cmd])
-    return text.replace(str(assets.cache_dir()), "$HF_RFA_CACHE").replace(HERE + "/", "training/")
+    text = text.replace(str(assets.cache_dir()), "$HF_RFA_CACHE").replace(HERE + "/", "training/")
+    try:  # the MiniLM folder inside its installed package: named by a variable, not by this machine's path
+        return text.replace(str(assets.minilm_path()), "$HF_RFA_MINILM")
+    except (ImportError, FileNotFoundError):
+        return text
 
 
 def classification(a: BenchArguments) -> tuple[str, list[str]]:

@@ -10,7 +10,7 @@ passes too; that needs Dynamo's ``trace_autograd_ops`` option, which this functi
 (process-wide; logged). Train with ``use_cache=False`` (as Trainer does with gradient
 checkpointing): a KV cache's per-layer state would make Dynamo recompile for every layer.
 
-Measured in ``benchmarks/train_step.py --dtypes fp32-compile`` (README, issue 14).
+Measured in ``benchmarks/train_step.py --dtypes fp32-compile`` (``docs/training.md``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A bounded exact global memory for causal attention (``RFAConfig.memory``, issue 13).
+"""A bounded exact global memory for causal attention (``RFAConfig.memory``).
 
 Besides the exact window (the last W keys) and the sinks (the first S real tokens), each kv head
 keeps at most ``memory`` = M older keys *exactly*: they get ``exp(q·k·scale)`` weights under the

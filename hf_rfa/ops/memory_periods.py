@@ -1,5 +1,5 @@
 """The exact memory's period-parallel form: :func:`hf_rfa.ops.memory._run` with the queries'
-work batched over refresh periods (issue 13's speed guard).
+work batched over refresh periods (the prefill speed guard).
 
 The sequential form answers each period of ``E = memory_every`` queries with ~20 small ops
 (select, fold, features of the pending keys, memory scores, state read, pending scores) — at

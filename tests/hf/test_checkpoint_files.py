@@ -1,4 +1,4 @@
-"""Loading reads only the checkpoint's own weight files and refuses broken ones (issue 17)."""
+"""Loading reads only the checkpoint's own weight files and refuses broken ones."""
 
 from __future__ import annotations
 

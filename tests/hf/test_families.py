@@ -1,4 +1,4 @@
-"""The family matrix (issue 17): for every family transformers can build, a conversion with
+"""The family matrix: for every family transformers can build, a conversion with
 ``window >= N`` either reproduces the original model's logits or is refused at ``convert`` with
 the reason — never a silently different attention. Cross-attention (T5, BART) stays exact."""
 

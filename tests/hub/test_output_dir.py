@@ -1,4 +1,4 @@
-"""Nothing lost (issue 17): overwrite replaces only folders hf_rfa wrote and never one holding an
+"""Nothing lost: overwrite replaces only folders hf_rfa wrote and never one holding an
 input, results are swapped in atomically, and staging folders of killed runs are cleaned up."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Robustness of ``random_feature_attention`` (issue 17): bad arguments are refused with
+"""Robustness of ``random_feature_attention``: bad arguments are refused with
 ``ValueError`` before any kernel runs, empty inputs give empty results, no output depends on a
 later (causal) or padded position, and finite inputs give finite outputs — checked case by case
 and by one seeded fuzz run over every map, dtype, mask, window/sinks and both backends."""

@@ -1,4 +1,4 @@
-"""Command-line and text inputs give clear errors naming what is wrong (issue 17)."""
+"""Command-line and text inputs give clear errors naming what is wrong."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One config family on the command line (issues 15/16): ``ConversionConfig`` and ``RFAArguments``
+"""One config family on the command line: ``ConversionConfig`` and ``RFAArguments``
 contain an ``RFAConfig``; ``HfArgumentParser`` parses them flat; defaults are the recommended recipe."""
 
 from __future__ import annotations

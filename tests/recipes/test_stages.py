@@ -1,4 +1,4 @@
-"""The conversion workflow is an explicit ordered list of small stages (issue 15)."""
+"""The conversion workflow is an explicit ordered list of small stages."""
 
 from __future__ import annotations
 

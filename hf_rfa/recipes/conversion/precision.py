@@ -1,11 +1,11 @@
-"""Mixed precision of the conversion's training stages (attention transfer, LoRA): issue 14.
+"""Mixed precision of the conversion's training stages (attention transfer, LoRA).
 
 ``ConversionConfig.train_autocast`` is one of :data:`AUTOCAST_CHOICES`:
 
 - ``"auto"`` (default): bf16 autocast where it is faster than float32 — a CUDA device with bf16
   support, or a CPU with bf16 matrix hardware (AMX or AVX-512 BF16, from ``/proc/cpuinfo``) — and
   float32 elsewhere (on an AVX2-only CPU a bf16 matmul is emulated and runs ~57× slower than fp32,
-  ``README.md``, issue 14);
+  ``docs/training.md``);
 - ``"off"``: float32;
 - ``"bf16"``: bf16 autocast wherever the stage runs.
 

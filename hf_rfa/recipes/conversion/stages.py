@@ -132,7 +132,7 @@ def window_only_baseline(s: State) -> None:
     window, sinks = cfg.rfa.window, cfg.rfa.sinks
     if not (cfg.window_only_baseline and (window or sinks) and cfg.rfa.feature_map != "none"):
         return
-    memory = cfg.rfa.memory  # the baseline keeps any exact memory of the recipe (issue 13)
+    memory = cfg.rfa.memory  # the baseline keeps any exact memory of the recipe
     convert(s.model, RFAConfig(feature_map="none", window=window, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
     label = f"window-only: window {window} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features"
     evaluate(s, f"{label}, untrained")

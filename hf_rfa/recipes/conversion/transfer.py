@@ -46,10 +46,10 @@ TRAIN_NAME = "hf_rfa_train"
 #: The one rule for the form of attention transfer's layer outputs: the quadratic twin
 #: (``quadratic_kernel_attention``, N×N per head) up to this many keys, the op's autograd form
 #: above. Measured by ``benchmarks/transfer_forms.py`` (one thread; hedgehog m=64, H=9, Hkv=3,
-#: D=64, forward + backward of one layer; session 14, after the op's Nq < Nk path stopped padding
+#: D=64, forward + backward of one layer; after the op's Nq < Nk path stopped padding
 #: the queries): 128 keys / 64 fitted queries (window 32): twin 7.8 ms, op 8.6 ms; 256 / 64
 #: (window 64): twin 12.8, op 8.5; 256 / 256: twin 34.3, op 12.7; 1024 / 256 (the main job):
-#: twin 132, op 22 (session 13's op, which padded the queries: 256 / 64 twin 51, op 85 ms).
+#: twin 132, op 22 (an older op, which padded the queries: 256 / 64 twin 51, op 85 ms).
 TWIN_MAX_KEYS = 128
 
 
