@@ -226,7 +226,7 @@ def render(specs: list[str], note: str = "", command: str | None = None) -> str:
         out += [run_table(rep), ""]
         if rep.get("long_range"):
             out += ["Long range (copy: perplexity of the second copy of a 256-token passage, first copy in brackets, "
-                    "8 seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%; \"key\": the same trials without the answer's leading space token, shown where it differs):", "", long_range_table(rep), ""]
+                    "mean over the run's seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%; \"key\": the same trials without the answer's leading space token, shown where it differs):", "", long_range_table(rep), ""]
         st = rep.get("stages", {})
         for name, s in st.items():
             out.append(f"- {name}: {s['tokens']} tokens, {s['steps']} steps, {s['minutes']:.1f} min, loss {s['loss_first']:.4g} → {s['loss_last']:.4g}")

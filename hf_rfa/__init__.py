@@ -18,7 +18,7 @@ from .ops import LinearState, quadratic_kernel_attention, random_feature_attenti
 from .ops.backends.kernels import compile_enabled, set_compile
 from .ops.backends.native import native_enabled, set_native
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _register_with_transformers() -> None:

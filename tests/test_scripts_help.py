@@ -1,4 +1,4 @@
-"""``--help`` of every script in conversion/, training/ and benchmarks/ exits 0 and prints usage.
+"""``--help`` of every script in conversion/, training/, benchmarks/ and research/<question>/ exits 0 and prints usage.
 
 Run in-process (``runpy`` as ``__main__``) so the heavy imports are paid once for all scripts.
 """
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for d in ("conversion", "training", "benchmarks") for p in (ROOT / d).glob("*.py"))
+SCRIPTS = sorted(p for d in ("conversion", "training", "benchmarks", "research/*") for p in ROOT.glob(f"{d}/*.py"))
 
 
 def test_scripts_found():
     assert len(SCRIPTS) >= 10, SCRIPTS
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_help(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -24,7 +24,7 @@ After training each arm is evaluated with each memory size of ``--eval-memory`` 
 baseline by ‖v‖) like the main job: copy @512 (--draws draws), passkey at --passkey-length
 (--trials per depth), perplexity @1024 / @4096 (4,096 eval tokens). JSON lines to --out.
 
-    NT=2 python research/window_vs_memory/window_vs_memory.py --maps out/smollm2-135m-rfa --arms recipe,baseline,window320
+    NT=2 python research/window_vs_memory/window_vs_memory.py --maps out/smollm2-135m-rfa --arms recipe,baseline --train-memory 0 --eval-memory 256
 """
 
 import argparse
