@@ -66,7 +66,7 @@ def _kernel(device: torch.device):
     return flex_attention
 
 
-def band_mask_mod(real: torch.Tensor, sink: torch.Tensor | None, window: int, offset: int = 0):
+def band_mask_mod(real: torch.Tensor, sink: torch.Tensor | None, window: int | torch.Tensor, offset: int = 0):
     """The ``mask_mod`` of the band: key ``s`` is visible to query row ``i`` (position ``t = i +
     offset``) when it is real (``real [B, Nk]`` bool), ``s ≤ t``, and ``t − s < window`` or it is
     a sink (``sink [B, Nk]`` bool, or None)."""
@@ -109,7 +109,8 @@ def band_block_mask(real: torch.Tensor, sink: torch.Tensor | None, n: int, windo
     tiles = band_blocks(sink, real.shape[0], n, window, block)[:, None]  # [B, 1, Lq, Lk]
     num = tiles.sum(-1, dtype=torch.int32)
     idx = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # tiles first, in order
-    mm = band_mask_mod(real, sink, window)
+    # the window as a tensor: a compiled kernel is not specialised (recompiled) per window
+    mm = band_mask_mod(real, sink, torch.tensor(window, device=real.device))
     return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mm, seq_lengths=(n, n))
 
 
