@@ -184,3 +184,28 @@ def test_converted_model_with_flex_backend_matches_torch():
         with torch.no_grad():
             logits[name] = model(input_ids=ids, attention_mask=mask).logits
     assert (logits["flex"] - logits["torch"]).abs().max() <= PLUMBING_LOGITS
+
+
+@pytest.mark.parametrize("name,decay", [("favor+", 20.0), ("hedgehog", 0.0), ("rfa", 0.0)], ids=["favor+-decay", "hedgehog", "rfa-gate"])
+def test_fla_wrapper_gradients_equal_torch_backend(reference_fla, name, decay):
+    """The wrapper's differentiable arithmetic (key scaling, references, the log scale it returns)
+    in float64 with the PyTorch kernel twin: every input and feature-map gradient equals the
+    ``torch`` backend's (no band: FlexAttention has no CPU backward)."""
+    from tolerances import GRAD_FP64
+
+    q, k, v, mask = (x.double() if x.is_floating_point() else x for x in _qkv(90))
+    fm = _fm(name, decay).double()
+    up = torch.randn(B, H, 90, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = []
+    for run in ("torch", "fla"):
+        fm.zero_grad()
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        if run == "torch":
+            out = random_feature_attention(*xs, fm, attention_mask=mask, chunk_size=16, backend="torch")
+        else:
+            out = gpu.attention(*xs, fm, mask, window=0, sinks=0, scale=D**-0.5, chunk_size=16, checkpoint=False, backend="fla", grad=True)
+        (out * up).sum().backward()
+        grads.append([x.grad for x in xs] + [p.grad for p in fm.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 3  # q, k, v and the map's parameters (decay, gate, learned)
+    for a, b in zip(*grads):
+        assert rel(a, b) <= GRAD_FP64
