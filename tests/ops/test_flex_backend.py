@@ -209,3 +209,17 @@ def test_fla_wrapper_gradients_equal_torch_backend(reference_fla, name, decay):
     assert len(grads[0]) == len(grads[1]) > 3  # q, k, v and the map's parameters (decay, gate, learned)
     for a, b in zip(*grads):
         assert rel(a, b) <= GRAD_FP64
+
+
+def test_fla_core_is_an_optional_extra_imported_only_when_used():
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("fla-core") for dep in extras["gpu"])
+    code = "import sys, hf_rfa, torch; hf_rfa.random_feature_attention(*(torch.randn(1, 2, 8, 4) for _ in range(3)), hf_rfa.build_feature_map('favor+', head_dim=4, num_features=4, seed=0)); print('fla' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.stdout.strip() == "False", out.stderr
