@@ -25,5 +25,7 @@ def test_cpu_smoke_writes_every_table(tmp_path):
     for n in ("128", "256"):
         row = next(line for line in tables["layer.md"].splitlines() if line.startswith(f"| {n} |"))
         assert "failed" not in row and "skipped" not in row, row
+    row = next(line for line in tables["prefill.md"].splitlines() if line.startswith("| 128 |"))
+    assert "failed" not in row and "skipped" not in row, row
     decode = [line for line in tables["decode.md"].splitlines() if "Cache |" in line]
     assert len(decode) == 4 and not any("failed" in line for line in decode), decode
