@@ -74,7 +74,8 @@ def random_feature_attention(
             scan and merge per block (:mod:`hf_rfa.ops.hybrid_recompute`). False: the autograd
             forms (everything saved).
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
-            ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
+            ``"inference"``, ``"compiled"``, ``"native"``, and on GPUs ``"flex"``, ``"fla"``:
+            :mod:`hf_rfa.ops.backends.gpu`); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
         memory, memory_every: causal only: at most ``memory`` older keys per kv head answered
             exactly, re-chosen at multiples of ``memory_every`` (:mod:`hf_rfa.ops.memory`, which
