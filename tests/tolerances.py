@@ -21,3 +21,9 @@ FSDP_LOSS_REL = 1e-5
 #: gradients (inputs and feature-map parameters) of the op vs the reference twin, float64 (relative;
 #: observed <= 1e-12, including rows on a signed map's eps floor)
 GRAD_FP64 = 1e-8
+#: a CUDA path in bf16 vs the CPU fp32 computation on the same rounded inputs (relative; the goal
+#: of the GPU backends: FlexAttention's probabilities meet the values in bf16)
+GPU_BF16 = 1e-2
+#: fla-core's Triton kernels vs the fp32 twin (relative): ``tl.dot`` multiplies float32 in TF32
+#: (10-bit mantissa) by default, ~1e-3 per product
+TF32_KERNEL = 2e-3

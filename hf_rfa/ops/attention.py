@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backends import honoured, native, resolve
+from .backends import gpu, honoured, native, resolve
 from .bidirectional import bidirectional_feature_attention
 from .fused import causal_feature_attention, fold_keys
 from .hybrid import exact_local, exact_local_last
@@ -74,7 +74,8 @@ def random_feature_attention(
             scan and merge per block (:mod:`hf_rfa.ops.hybrid_recompute`). False: the autograd
             forms (everything saved).
         backend: ``"auto"`` or a name in :data:`hf_rfa.ops.backends.BACKENDS` (``"torch"``,
-            ``"inference"``, ``"compiled"``, ``"native"``); the rule and the refusals are
+            ``"inference"``, ``"compiled"``, ``"native"``, and on GPUs ``"flex"``, ``"fla"``:
+            :mod:`hf_rfa.ops.backends.gpu`); the rule and the refusals are
             :func:`hf_rfa.ops.backends.resolve`'s. Logged at DEBUG level.
         memory, memory_every: causal only: at most ``memory`` older keys per kv head answered
             exactly, re-chosen at multiples of ``memory_every`` (:mod:`hf_rfa.ops.memory`, which
@@ -128,7 +129,9 @@ def random_feature_attention(
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     extra = (feature_q, feature_k) if feature_q is not None else ()
-    be = resolve(backend, grad=needs_grad(q, k, v, *extra, *params), causal=causal, device=q.device, dtype=ct)
+    grad = needs_grad(q, k, v, *extra, *params)
+    be = resolve(backend, grad=grad, causal=causal, device=q.device, dtype=ct, whole_call=True)
+    be = gpu.settle(be, backend, grad=grad, causal=causal, window=window, sinks=sinks, memory=memory, nq=nq, nk=nk, feature_map=feature_map, device=q.device, dtype=ct)
     # the exact window/sink band has no feature-map parameters: under "auto" its own inputs decide
     band_be = resolve("auto", grad=needs_grad(q, k, v), causal=causal, device=q.device, dtype=ct) if backend == "auto" else be
     if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls (fullgraph compile)
@@ -138,6 +141,9 @@ def random_feature_attention(
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
     if feature_q is not None:  # a non-finite feature input is poisoned like its q/k (rows NaN below)
         feature_q, feature_k, poison = guard_feature_inputs(feature_q, feature_k, km, causal, poison)
+    if be in gpu.GPU_ORDER:  # FlexAttention band / fla scan (hf_rfa.ops.backends.gpu)
+        out = gpu.attention(q, k, v, feature_map, km, window=window, sinks=sinks, scale=d**-0.5 if scale is None else scale, chunk_size=chunk_size, checkpoint=checkpoint_blocks, backend=be, grad=grad, feature_q=feature_q, feature_k=feature_k, feature_rope=feature_rope)
+        return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out
     if memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
         out = memory_attention(q, k, v, feature_map, km, min(window, nk), min(sinks, nk), memory, memory_every, d**-0.5 if scale is None else scale, chunk_size, band_be == "native", memory_score, feature_q, feature_k)
         return out.masked_fill(poison[..., None], float("nan")) if poison is not None else out

@@ -60,7 +60,7 @@ def test_auto_rule():
 def test_refusals_name_the_reason():
     q, k, v, _ = _qkv(n=20)
     fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=8, seed=0)
-    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'torch', 'inference', 'compiled', 'native'\]"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'torch', 'inference', 'compiled', 'native', 'flex', 'fla'\]"):
         random_feature_attention(q, k, v, fm, backend="cuda")
     with pytest.raises(ValueError, match="without autograd only"):
         random_feature_attention(q.requires_grad_(), k, v, fm, backend="inference")

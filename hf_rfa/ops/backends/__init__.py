@@ -10,11 +10,22 @@
 ``native``     the C++ CPU kernel (:mod:`.native`): the causal scan of the positive maps and the
                exact window/sink band; other parts run the ``inference`` form — no autograd,
                CPU float32 compute, where it builds (``hf_rfa.set_native`` / ``HF_RFA_NATIVE``)
+``flex``       GPU: the exact window + sinks band by PyTorch's FlexAttention (:mod:`.flex`), the
+               feature part by the PyTorch forms (:mod:`.gpu`); with autograd on CUDA; on CPU
+               only when named (the eager forward, a twin; no backward)
+``fla``        GPU: the causal feature scan (decay, gate) by fla-core's chunked simple-GLA kernel
+               (:mod:`.fla`; ``pip install hf_rfa[gpu]``), the band by FlexAttention; CUDA,
+               float32 compute
 =============  ==================================================================================
 
 ``backend="auto"`` (the default, per call of ``random_feature_attention`` and per model in
 ``RFAConfig.backend``) is :func:`resolve`'s rule: with autograd ``torch``; without, the first
-available of ``compiled``, ``native``, ``inference``. A named backend is used as asked, or refused
+available of ``compiled``, ``native``, ``inference``. On a CUDA tensor a whole causal call of
+``random_feature_attention`` (Nq == Nk, no memory) takes the first of ``fla``, ``flex`` that is
+available and answers it (:func:`.gpu.settle`: ``fla`` needs a feature part, ``flex`` an exact
+band), else the rule above; bidirectional calls, memory > 0 and Nq < Nk keep it. Where only a
+feature scan is chosen (the decoding continuation, a bare scan) a GPU backend runs the PyTorch
+forms (``torch`` with autograd, else ``inference``). A named backend is used as asked, or refused
 with a ValueError saying why (autograd, not built, not enabled). The chosen backend is logged at
 DEBUG level (logger ``hf_rfa.ops.attention``).
 """
@@ -29,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from . import kernels, native
+from . import fla, flex, kernels, native
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class Backend:
     available: Callable[[torch.device, torch.dtype], bool]
     unavailable_hint: str = ""
     causal_only: bool = False
+    #: answers whole calls of ``random_feature_attention`` only (:mod:`.gpu`); a call that chooses
+    #: only a feature scan gets the PyTorch forms instead
+    whole_call: bool = False
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -70,6 +84,15 @@ register_backend(Backend(
     causal_only=True,
 ))
 
+register_backend(Backend(
+    "flex", "FlexAttention band + PyTorch feature part (GPU; CPU forward as a twin)", False, flex.available,
+    "it needs FlexAttention (PyTorch >= 2.5) and a CUDA or CPU tensor", causal_only=True, whole_call=True,
+))
+register_backend(Backend(
+    "fla", "fla-core chunked feature scan (decay, gate) + FlexAttention band (GPU)", False, fla.available,
+    "it needs a CUDA tensor, float32 compute and fla-core (pip install hf_rfa[gpu])", causal_only=True, whole_call=True,
+))
+
 
 def backend_names() -> tuple[str, ...]:
     """``("auto", <registered names>...)``: the values ``backend=`` accepts."""
@@ -86,10 +109,13 @@ def _fits(be: Backend, causal: bool, device: torch.device, dtype: torch.dtype) -
     return (causal or not be.causal_only) and be.available(device, dtype)
 
 
-def resolve(backend: str, *, grad: bool, causal: bool, device: torch.device, dtype: torch.dtype) -> str:
+def resolve(backend: str, *, grad: bool, causal: bool, device: torch.device, dtype: torch.dtype, whole_call: bool = False) -> str:
     """The backend that runs a call: ``backend`` as asked (ValueError if it cannot), or for
     ``"auto"`` ``torch`` when ``grad`` (an autograd graph is recorded) and otherwise the first
-    of :data:`AUTO_ORDER` that is available and has kernels for the call (``causal``)."""
+    of :data:`AUTO_ORDER` that is available and has kernels for the call (``causal``). A GPU
+    backend (``whole_call``) asked where the caller is not a whole call gives the PyTorch form
+    (``torch`` with ``grad``, else ``inference``); the GPU choice of ``"auto"`` is
+    :func:`.gpu.settle`'s, after this."""
     check_name(backend)
     if backend == "auto":
         if grad:
@@ -102,6 +128,8 @@ def resolve(backend: str, *, grad: bool, causal: bool, device: torch.device, dty
         raise ValueError(f"backend={backend!r} runs without autograd only; this call records a graph (use 'torch' or 'auto')")
     if not be.available(device, dtype):
         raise ValueError(f"backend={backend!r} is not available for {device.type} {dtype}: {be.unavailable_hint}")
+    if be.whole_call and not whole_call:
+        return "torch" if grad else "inference"
     return backend
 
 
