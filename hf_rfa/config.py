@@ -121,6 +121,8 @@ class RFAConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RFAConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"rfa_config must be a dict of RFAConfig fields, got {type(d).__name__} {str(d)[:80]}")
         d = dict(d)
         if d.pop("per_head", True) is not True:  # saved before 0.1.0's clean-up; learned maps are always per head
             raise ValueError("per_head must be True (learned feature maps have one set of parameters per head)")
