@@ -74,8 +74,26 @@ def _relative_bias(module: nn.Module) -> str | None:
     return None
 
 
+def _layer_type(module: nn.Module) -> str | None:
+    """A layer type other than full attention in ``config.layer_types`` (Llama-4's
+    ``chunked_attention``: each token sees only its own chunk of ``attention_chunk_size``)."""
+    cfg, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(cfg, "layer_types", None)
+    kind = types[idx] if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types) else None
+    if kind in (None, "full_attention", "sliding_attention"):  # sliding: named by _sliding_window
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        return f"chunked attention (attention_chunk_size={chunk})" if chunk is not None and types is None else None
+    return f"{kind} layers (layer_types)" + (f", attention_chunk_size={cfg.attention_chunk_size}" if getattr(cfg, "attention_chunk_size", None) else "")
+
+
+def _dynamic_mask(module: nn.Module) -> str | None:
+    if isinstance(getattr(module, "dt_proj", None), nn.Module):
+        return "dynamic mask attention (a learned per-key mask from dt_proj, Doge-style)"
+    return None
+
+
 #: what random feature attention does not reproduce: each check returns the reason or None
-UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias)
+UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias, _layer_type, _dynamic_mask)
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
@@ -254,7 +272,11 @@ def feature_maps(model: nn.Module) -> Iterator[FeatureMap]:
 def redraw(model: nn.Module, step: int) -> int:
     """Redraw the projections of every feature map from ``(seed, layer, step)``; returns the count.
 
-    Maps with trained projections (``learnable=True``) are left as they are (not counted)."""
+    Maps with trained projections (``learnable=True``) are left as they are (not counted).
+    ``step``: an int >= 0 (ValueError otherwise: a bool, a float, a string, a negative step)."""
+    from ..ops.masks import check_int
+
+    check_int("redraw step", step, 0, 2**63 - 1)
     n = 0
     for fm in feature_maps(model):
         if getattr(fm, "learnable", False):

@@ -110,6 +110,12 @@ def key_mask_bool(attention_mask: torch.Tensor | None, b: int, nk: int, device) 
             f"attention_mask must be a 2-D padding mask of shape [B, Nk] = [{b}, {nk}], "
             f"got {tuple(attention_mask.shape)}"
         )
+    if attention_mask.is_floating_point() and not torch.compiler.is_compiling():
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(
+                "attention_mask holds float values other than 0/1 (an additive 0/-inf mask?): pass a padding mask "
+                "(1/True = real token, 0/False = padding), e.g. additive_mask == 0"
+            )
     return attention_mask.to(device=device).bool() if attention_mask.dtype != torch.bool else attention_mask.to(device)
 
 

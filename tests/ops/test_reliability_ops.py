@@ -1,0 +1,64 @@
+"""Regression tests of the ops: bidirectional sinks beyond Nq, float masks, Nk = 0 in the twin,
+redraw and feature_map_options validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_rfa
+from tiny_models import tiny_model
+
+
+def _fm():
+    return hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
+
+
+@pytest.mark.parametrize("sinks", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("padded", [False, True])
+def test_bidirectional_sinks_beyond_nq_match_the_twin_and_softmax(sinks, padded):
+    g = torch.Generator().manual_seed(sinks)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for n in (2, 6, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    if padded:
+        mask[1, 4:] = False
+    fm = _fm().double()
+    out = hf_rfa.random_feature_attention(q, k, v, fm, attention_mask=mask, causal=False, sinks=sinks)
+    twin = hf_rfa.quadratic_kernel_attention(q, k, v, fm, attention_mask=mask, causal=False, sinks=sinks)
+    assert torch.allclose(out, twin, atol=1e-10, rtol=0)
+    if sinks >= 6:  # every key is a sink: exact softmax
+        ref = hf_rfa.softmax_attention(q, k, v, attention_mask=mask, causal=False)
+        assert torch.allclose(out, ref, atol=1e-10, rtol=0)
+
+
+def test_additive_float_mask_is_refused_and_float_01_accepted():
+    q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
+    additive = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
+    for op in (hf_rfa.random_feature_attention, hf_rfa.quadratic_kernel_attention):
+        with pytest.raises(ValueError, match="additive"):
+            op(q, k, v, _fm(), attention_mask=additive, causal=False)
+    ones = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    a = hf_rfa.random_feature_attention(q, k, v, _fm(), attention_mask=ones, causal=False)
+    b = hf_rfa.random_feature_attention(q, k, v, _fm(), attention_mask=ones.bool(), causal=False)
+    assert torch.equal(a, b)
+
+
+def test_twin_with_no_keys_gives_zeros_like_the_op():
+    q, k, v = torch.randn(1, 1, 3, 8), torch.randn(1, 1, 0, 8), torch.randn(1, 1, 0, 8)
+    out = hf_rfa.random_feature_attention(q, k, v, _fm(), causal=False)
+    twin = hf_rfa.quadratic_kernel_attention(q, k, v, _fm(), causal=False)
+    assert torch.equal(out, twin) and not twin.any()
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "3", True, None])
+def test_redraw_step_must_be_a_non_negative_int(step):
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(num_features=8))
+    with pytest.raises(ValueError, match="redraw step must be an int"):
+        hf_rfa.redraw(model, step)
+    assert hf_rfa.redraw(model, 3) == 2
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_feature_map_options_are_refused(value):
+    with pytest.raises(ValueError, match="finite"):
+        hf_rfa.RFAConfig(feature_map="hedgehog", feature_map_options={"init_sigma": value})
