@@ -9,7 +9,6 @@ loading the saved projections and learned parameters, so a round trip gives iden
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from contextlib import contextmanager

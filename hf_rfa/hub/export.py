@@ -3,7 +3,7 @@
 ``export(model, out_dir)`` writes::
 
     out_dir/
-      config.json              the base config + ``rfa_config`` + ``auto_map`` → the remote class
+      config.json              the base config, model type ``hf_rfa_<type>``, ``rfa_config``, ``auto_map`` → the remote classes
       model.safetensors        all weights, including every ``*.rfa.*`` projection / learned tensor
       generation_config.json   (decoders, as ``save_pretrained`` writes it)
       modeling_hf_rfa.py       ``RFA<Base>`` (subclass of e.g. ``LlamaForCausalLM``), the auto_map target
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from torch import nn
 
-from .. import compat, output_dir
+from .. import output_dir
 from ..config import CONFIG_ATTR, RFAConfig
 from .bundle import PACKAGE, bundle_sources, bundled_modules, flat_name  # noqa: F401 (re-exported)
 from .remote import AUTO_CLASSES, MODELING_FILE, auto_classes_of, mark_folder, modeling_source, remote_class_name  # noqa: F401 (re-exported)
