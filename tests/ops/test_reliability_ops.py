@@ -62,3 +62,45 @@ def test_redraw_step_must_be_a_non_negative_int(step):
 def test_non_finite_feature_map_options_are_refused(value):
     with pytest.raises(ValueError, match="finite"):
         hf_rfa.RFAConfig(feature_map="hedgehog", feature_map_options={"init_sigma": value})
+
+
+def _rope(n, d, seed=0):
+    ang = torch.rand(1, n, d // 2, generator=torch.Generator().manual_seed(seed)) * 6
+    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+
+@pytest.mark.parametrize("name", ["rff", "favor+"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_huge_finite_key_gives_finite_outputs_and_spares_earlier_rows(name, causal):
+    fm = hf_rfa.build_feature_map(name, head_dim=8, num_features=8, seed=0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in range(3))
+    for big in (3e19, 1e30):
+        k2 = k.clone()
+        k2[0, 0, 5, 0] = big
+        out = hf_rfa.random_feature_attention(q, k2, v, fm, causal=causal)
+        assert torch.isfinite(out).all()
+        if causal:
+            assert torch.equal(out[..., :5, :], hf_rfa.random_feature_attention(q, k, v, fm, causal=True)[..., :5, :])
+
+
+def test_fp16_unrotation_of_a_large_finite_key_stays_finite():
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8, seed=0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g).half() for _ in range(3))
+    k[0, 0, 5] = 6e4
+    cos, sin = _rope(10, 8)
+    out = hf_rfa.random_feature_attention(q, k, v, fm, causal=False, feature_rope=(cos.half(), sin.half()))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bad", ["zeros", "nan"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_cos_sin_are_checked(bad, causal):
+    fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8, seed=0)
+    q, k, v = (torch.randn(1, 2, 10, 8) for _ in range(3))
+    cos, sin = _rope(10, 8)
+    cos = torch.zeros_like(cos) if bad == "zeros" else cos.clone().index_fill_(1, torch.tensor([3]), float("nan"))
+    sin = torch.zeros_like(sin) if bad == "zeros" else sin
+    with pytest.raises(ValueError, match="cos/sin must be finite"):
+        hf_rfa.random_feature_attention(q, k, v, fm, causal=causal, feature_rope=(cos, sin))
