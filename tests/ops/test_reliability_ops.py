@@ -35,7 +35,7 @@ def test_additive_float_mask_is_refused_and_float_01_accepted():
     q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
     additive = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
     for op in (hf_rfa.random_feature_attention, hf_rfa.quadratic_kernel_attention):
-        with pytest.raises(ValueError, match="additive"):
+        with pytest.raises(ValueError, match="additive 0/-inf"):
             op(q, k, v, _fm(), attention_mask=additive, causal=False)
     ones = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     a = hf_rfa.random_feature_attention(q, k, v, _fm(), attention_mask=ones, causal=False)
