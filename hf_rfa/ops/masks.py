@@ -271,3 +271,25 @@ def check_feature_inputs(q, k, feature_q, feature_k):
         if not x.is_floating_point() or x.device != ref.device:
             raise ValueError(f"{name} must be a floating tensor on {ref.device}, got {x.dtype} on {x.device}")
     return feature_q, feature_k
+
+
+class _SaturateGrad(torch.autograd.Function):
+    """Identity forward; backward saturates a gradient that left float16's range at ±max (as the
+    forward output is clamped by :func:`to_output_dtype`) instead of handing on ±inf."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        big = torch.finfo(grad.dtype).max
+        return grad.nan_to_num(nan=float("nan"), posinf=big, neginf=-big)
+
+
+def saturate_grad(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` whose float16 gradient saturates at ±65504 instead of overflowing (other dtypes: ``x``)."""
+    if x is None or x.dtype != torch.float16 or not x.requires_grad:
+        return x
+    return _SaturateGrad.apply(x)
+

@@ -33,7 +33,7 @@ def _tiny(model_type: str):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
-    cfg_cls = tf.CONFIG_MAPPING.get(model_type) if model_type in tf.CONFIG_MAPPING else None
+    cfg_cls = tf.CONFIG_MAPPING[model_type] if model_type in tf.CONFIG_MAPPING else None
     if cls is None or cfg_cls is None:
         return None
     try:
