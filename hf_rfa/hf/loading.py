@@ -320,7 +320,19 @@ def _write_adapter_files(peft_model: Any, save_directory: str, selected: Any) ->
         if os.path.isdir(out):
             write_adapter_rfa_config(base, out)
         origin = getattr(peft_model.peft_config[name], "base_model_name_or_path", None) or ""
-        if not (os.path.isfile(os.path.join(origin, "config.json")) and "rfa_config" in open(os.path.join(origin, "config.json")).read()):
+        if not _is_converted_folder(origin):
             logger.warning(
                 "adapter %s: its base %r is not a converted checkpoint, so the adapter loads converted only where hf_rfa is "
                 "imported; save the converted base too (model.save_pretrained) and load from it to be safe everywhere", out, origin)
+
+
+def _is_converted_folder(path: str) -> bool:
+    """Whether ``path`` is a local folder saved from a converted model (``rfa_config`` in its config)."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return False
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            return bool(json.load(f).get(CONFIG_ATTR))
+    except (OSError, ValueError, AttributeError):
+        return False
