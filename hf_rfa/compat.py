@@ -47,6 +47,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("PreTrainedModel.post_init / _keys_to_ignore_on_load_unexpected", "transformers", "hf.loading.install_load_hook",
          "the per-instance regexes of checkpoint keys not to report as unexpected: a converted folder's rfa.* tensors "
          "are loaded by the load hook right after from_pretrained, so they must not be reported as dropped"),
+    Hook("PreTrainedConfig.get_config_dict", "transformers", "hf.loading.install_load_hook",
+         "the one reader of config.json behind AutoConfig and every config class: a converted folder's marked "
+         "model type (hf_rfa_<type>, so it never loads as softmax without hf_rfa) is read back as the base type"),
     Hook("torch.utils.cpp_extension._get_build_directory", "torch", "ops.backends.native",
          "where torch's builder keeps its lock file: a killed build leaves it and every later load would hang"),
 )
@@ -78,6 +81,25 @@ def wrap_post_init(after: Callable[[Any], None]) -> bool:
 
     post_init._hf_rfa_hook = True
     PreTrainedModel.post_init = post_init
+    return True
+
+
+def wrap_get_config_dict(edit: Callable[[type, dict], dict]) -> bool:
+    """Pass the config dict ``PreTrainedConfig.get_config_dict`` returns through ``edit(cls, d)``
+    (idempotent; False if already wrapped)."""
+    from transformers import PretrainedConfig
+
+    original = PretrainedConfig.__dict__["get_config_dict"].__func__
+    if getattr(original, "_hf_rfa_hook", False):
+        return False
+
+    @functools.wraps(original)
+    def get_config_dict(cls, *args, **kwargs):
+        config_dict, rest = original(cls, *args, **kwargs)
+        return edit(cls, config_dict), rest
+
+    get_config_dict._hf_rfa_hook = True
+    PretrainedConfig.get_config_dict = classmethod(get_config_dict)
     return True
 
 
@@ -159,5 +181,5 @@ def extension_build_dir(name: str) -> Path:
 __all__ = [
     "HOOKS", "Hook", "attn_implementation_of", "auto_class_model_names", "can_set_attn_implementation",
     "disable_loss_kwargs", "extension_build_dir", "forward_uses_attention_interface", "is_default_dynamic_cache",
-    "preset_attn_implementation", "wrap_prepare_cache_for_generation",
+    "preset_attn_implementation", "wrap_get_config_dict", "wrap_prepare_cache_for_generation",
 ]

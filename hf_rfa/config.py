@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -109,6 +110,9 @@ class RFAConfig:
             self.layers = sorted(set(self.layers))
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
+        bad = [k for k, v in self.feature_map_options.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"feature_map_options {bad} must be finite numbers, got {[self.feature_map_options[k] for k in bad]}")
         reserved = {"head_dim", "num_features", "seed", "num_heads", "num_kv_heads", "gate", "decay"} & set(self.feature_map_options)
         if reserved:
             raise ValueError(f"feature_map_options may not set {sorted(reserved)}: use the RFAConfig fields")
@@ -121,6 +125,8 @@ class RFAConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RFAConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"rfa_config must be a dict of RFAConfig fields, got {type(d).__name__} {str(d)[:80]}")
         d = dict(d)
         if d.pop("per_head", True) is not True:  # saved before 0.1.0's clean-up; learned maps are always per head
             raise ValueError("per_head must be True (learned feature maps have one set of parameters per head)")

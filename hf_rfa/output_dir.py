@@ -5,12 +5,14 @@ when hf_rfa wrote them.
   the :data:`MARKER` file that :func:`publish` writes, and never when it holds one of the run's
   inputs (a model folder, a text file); a target naming a file is refused.
 - :func:`staging_dir`: a fresh ``parent/.tmp-<name>.*`` folder next to the target (same file
-  system, so the final rename is atomic) with an owner file (host, pid); earlier ones whose
-  process is gone are deleted first (:func:`remove_stale`).
+  system, so the final rename is atomic) with an owner file (host, pid, target); earlier ones
+  whose process is gone are deleted first (:func:`remove_stale`) — only folders holding that
+  owner file, never one holding a complete result, never anything else.
 - :func:`publish`: rename the old target aside, rename the new folder in, then delete the old
   one. An interruption leaves the old or the new result complete under the target name (only a
-  kill between the two renames leaves the old one in ``.tmp-<name>.old-*/<name>`` instead);
-  staging folders of killed runs are removed by the next run.
+  kill between the two renames leaves the old one in ``.tmp-<name>.old-*/<name>`` and the new
+  one in ``.tmp-<name>.*``: both are kept by later runs); staging folders of killed runs are
+  removed by the next run.
 """
 
 from __future__ import annotations
@@ -81,19 +83,41 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _holds_result(folder: Path, name: str) -> bool:
+    """A complete published result lies in ``folder`` (a publish killed between its renames)."""
+    return (folder / MARKER).is_file() or (folder / name / MARKER).is_file()
+
+
+def _stale_owned(folder: Path, name: str) -> bool:
+    """``folder`` is a staging folder hf_rfa made for target ``name`` (its owner file says so)
+    whose run is gone: same host and the process has exited, or another host and older than
+    :data:`STALE_AGE_S`. A folder without the owner file is never hf_rfa's to delete."""
+    owner = folder / _OWNER
+    if not owner.is_file():
+        return False
+    info = json.loads(owner.read_text(encoding="utf-8"))
+    if not isinstance(info, dict) or info.get("target", name) != name:
+        return False
+    if info.get("host") == socket.gethostname():
+        return not _pid_alive(int(info["pid"]))
+    return time.time() - folder.stat().st_mtime > STALE_AGE_S
+
+
 def remove_stale(parent: Path, name: str) -> None:
-    """Delete ``parent/.tmp-<name>.*`` staging folders of runs that were killed: their owner
-    process (same host) is gone, or they are older than :data:`STALE_AGE_S`."""
-    for old in parent.glob(f"{TMP_PREFIX}{name}.*"):
-        with contextlib.suppress(OSError, ValueError):
-            if not old.is_dir():
+    """Delete the ``parent/.tmp-<name>.*`` staging folders of killed runs: only those holding
+    hf_rfa's owner file for this target (:func:`_stale_owned`) and no complete result. A complete
+    result left by a publish killed between its renames is kept (a warning names it)."""
+    prefix = f"{TMP_PREFIX}{name}."
+    for old in parent.iterdir() if parent.is_dir() else ():
+        if not old.name.startswith(prefix):
+            continue  # a plain prefix test: the name is never a glob pattern
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if not old.is_dir() or old.is_symlink():
                 continue
-            owner = old / _OWNER
-            stale = time.time() - old.stat().st_mtime > STALE_AGE_S
-            if owner.is_file():
-                info = json.loads(owner.read_text(encoding="utf-8"))
-                stale = stale or (info.get("host") == socket.gethostname() and not _pid_alive(int(info["pid"])))
-            if stale:
+            if _holds_result(old, name):
+                logger.warning("%s holds a complete result of an interrupted publish of %s: kept (move it into place or delete it yourself)", old, name)
+                continue
+            if _stale_owned(old, name):
                 logger.info("removing the staging folder %s of an earlier, interrupted run", old)
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -103,7 +127,7 @@ def staging_dir(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out.parent, out.name)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{out.name}.", dir=out.parent))
-    (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}), encoding="utf-8")
+    (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "target": out.name}), encoding="utf-8")
     return tmp
 
 

@@ -30,7 +30,7 @@ def test_every_hook_is_documented_and_probed_here():
               "inspect.getsource(Attention.forward) contains 'ALL_ATTENTION_FUNCTIONS'",
               "_BaseAutoModelClass._model_mapping._model_mapping", "PreTrainedModel.accepts_loss_kwargs",
               "torch.utils.cpp_extension._get_build_directory",
-              "PreTrainedModel.post_init / _keys_to_ignore_on_load_unexpected"}
+              "PreTrainedModel.post_init / _keys_to_ignore_on_load_unexpected", "PreTrainedConfig.get_config_dict"}
     assert {h.name for h in compat.HOOKS} == probed
     assert all(h.why and h.used_by and h.library in ("transformers", "torch") for h in compat.HOOKS)
 
@@ -125,3 +125,20 @@ def test_transformers_5_post_init_and_unexpected_key_patterns(tmp_path):
     finally:
         del tf.GPT2LMHeadModel.post_init
     assert not info["unexpected_keys"]
+
+
+def test_transformers_5_get_config_dict_is_the_reader_behind_auto_config(tmp_path):
+    """transformers 5.x: ``AutoConfig`` and the config classes read config.json through
+    ``PreTrainedConfig.get_config_dict`` (wrapped by import hf_rfa: a marked model type reads back)."""
+    import json
+
+    from transformers import AutoConfig, LlamaConfig, PretrainedConfig
+
+    assert getattr(PretrainedConfig.get_config_dict.__func__, "_hf_rfa_hook", False)
+    assert compat.wrap_get_config_dict(lambda cls, d: d) is False  # idempotent
+    tiny_model("llama").config.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "hf_rfa_llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert type(AutoConfig.from_pretrained(tmp_path)) is LlamaConfig
+    assert LlamaConfig.get_config_dict(str(tmp_path))[0]["model_type"] == "llama"

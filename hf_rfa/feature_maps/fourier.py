@@ -48,7 +48,10 @@ class RandomFourierFeatures(_TrigFeatures):
 
     def forward_queries(self, x: torch.Tensor) -> Features:
         x = upcast(x)
-        return Features(self._sincos(x @ self.omega.to(x.dtype).T), 0.5 * x.pow(2).sum(-1))
+        # ||x||²/2 overflows for a finite |x| >~ 1.8e19 (float32): bounded, so that one huge key
+        # cannot make inf − inf in a shared offset (NaN in rows that never see it)
+        half_sq = (0.5 * x.pow(2).sum(-1)).clamp_max(torch.finfo(x.dtype).max / 8)
+        return Features(self._sincos(x @ self.omega.to(x.dtype).T), half_sq)
 
     forward_keys = forward_queries
 

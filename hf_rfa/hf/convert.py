@@ -9,7 +9,6 @@ loading the saved projections and learned parameters, so a round trip gives iden
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from torch import nn
 from .. import compat
 from .attention import ATTN_NAME, RFAAttention, register
 from .rope import install_rope_hook, takes_position_embeddings
+from .checkpoint import _resolve_dir, check_loaded_rfa, checkpoint_files, load_rfa_state, report_unexpected_rfa_keys, verify_safetensors  # noqa: F401 (re-exported)
 from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
 
@@ -73,8 +73,26 @@ def _relative_bias(module: nn.Module) -> str | None:
     return None
 
 
+def _layer_type(module: nn.Module) -> str | None:
+    """A layer type other than full attention in ``config.layer_types`` (Llama-4's
+    ``chunked_attention``: each token sees only its own chunk of ``attention_chunk_size``)."""
+    cfg, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(cfg, "layer_types", None)
+    kind = types[idx] if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types) else None
+    if kind in (None, "full_attention", "sliding_attention"):  # sliding: named by _sliding_window
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        return f"chunked attention (attention_chunk_size={chunk})" if chunk is not None and types is None else None
+    return f"{kind} layers (layer_types)" + (f", attention_chunk_size={cfg.attention_chunk_size}" if getattr(cfg, "attention_chunk_size", None) else "")
+
+
+def _dynamic_mask(module: nn.Module) -> str | None:
+    if isinstance(getattr(module, "dt_proj", None), nn.Module):
+        return "dynamic mask attention (a learned per-key mask from dt_proj, Doge-style)"
+    return None
+
+
 #: what random feature attention does not reproduce: each check returns the reason or None
-UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias)
+UNSUPPORTED_CHECKS = (_sliding_window, _soft_capping, _learned_sinks, _relative_bias, _layer_type, _dynamic_mask)
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
@@ -253,7 +271,11 @@ def feature_maps(model: nn.Module) -> Iterator[FeatureMap]:
 def redraw(model: nn.Module, step: int) -> int:
     """Redraw the projections of every feature map from ``(seed, layer, step)``; returns the count.
 
-    Maps with trained projections (``learnable=True``) are left as they are (not counted)."""
+    Maps with trained projections (``learnable=True``) are left as they are (not counted).
+    ``step``: an int >= 0 (ValueError otherwise: a bool, a float, a string, a negative step)."""
+    from ..ops.masks import check_int
+
+    check_int("redraw step", step, 0, 2**63 - 1)
     n = 0
     for fm in feature_maps(model):
         if getattr(fm, "learnable", False):
@@ -261,105 +283,6 @@ def redraw(model: nn.Module, step: int) -> int:
         fm.redraw(step)
         n += 1
     return n
-
-
-# --------------------------------------------------------------------------- checkpoints
-def _rfa_keys(state: dict) -> list[str]:
-    return [k for k in state if ".rfa." in k or k.startswith("rfa.")]
-
-
-_INDEXES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
-
-
-def checkpoint_files(path: str) -> list[str]:
-    """The weight files of the checkpoint in folder ``path``: those its index names (sharded), else
-    its single ``model.safetensors`` / ``pytorch_model.bin`` — never other files that happen to lie
-    in the folder (a stale copy of another model). ValueError when the index is unreadable or names
-    a missing or non-local file, or when there are no weights."""
-    for index, single in _INDEXES:
-        ipath = os.path.join(path, index)
-        if os.path.isfile(ipath):
-            try:
-                with open(ipath, encoding="utf-8") as f:
-                    names = sorted(set(json.load(f)["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"checkpoint index {ipath} is unreadable: {e}") from None
-            bad = [n for n in names if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")]
-            missing = [n for n in names if n not in bad and not os.path.isfile(os.path.join(path, n))]
-            if bad or missing:
-                raise ValueError(f"checkpoint index {ipath} names {'non-local' if bad else 'missing'} files {(bad or missing)[:3]}")
-            return names
-        if os.path.isfile(os.path.join(path, single)):
-            return [single]
-    raise ValueError(f"{path} holds no model.safetensors / pytorch_model.bin (nor a sharded index)")
-
-
-def verify_safetensors(path: str) -> None:
-    """ValueError naming the file when a weight file of the checkpoint is truncated or corrupt
-    (its header or its data length is wrong); checked before transformers reads them."""
-    from safetensors import safe_open
-
-    for f in checkpoint_files(path):
-        if not f.endswith(".safetensors"):
-            continue
-        full = os.path.join(path, f)
-        try:
-            with open(full, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(n)) if 0 < n <= 100_000_000 else None
-            end = max((v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"), default=0)
-            if header is None or os.path.getsize(full) < 8 + n + end:
-                raise ValueError(f"{os.path.getsize(full)} bytes, the header needs {8 + n + end}")
-            with safe_open(full, framework="pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - any failure: a broken file, named
-            raise ValueError(f"weight file {full} is truncated or corrupt ({e})") from None
-
-
-def _read_rfa_tensors(path: str) -> dict[str, torch.Tensor]:
-    """The ``rfa.*`` tensors of the checkpoint's own weight files; ValueError for a non-finite one."""
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in checkpoint_files(path):
-        full = os.path.join(path, f)
-        if f.endswith(".safetensors"):
-            with safe_open(full, framework="pt") as fh:
-                found = {k: fh.get_tensor(k) for k in fh.keys() if ".rfa." in k or k.startswith("rfa.")}
-        else:
-            sd = torch.load(full, map_location="cpu", weights_only=True)
-            found = {k: sd[k] for k in _rfa_keys(sd)}
-        for k, t in found.items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise ValueError(f"feature-map tensor {k} in {full} holds NaN/inf values: refusing to load it")
-        out.update(found)
-    return out
-
-
-def _resolve_dir(name_or_path: str, **hub_kwargs) -> str:
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs)
-
-
-def load_rfa_state(model: nn.Module, path: str) -> None:
-    """Load saved feature-map tensors into a converted model; ValueError if any is missing."""
-    saved = _read_rfa_tensors(path)
-    own = model.state_dict()
-    wanted = _rfa_keys(own)
-    prefix = getattr(model, "base_model_prefix", "")
-    mapped = {}
-    for key in wanted:
-        for cand in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
-            if cand in saved:
-                mapped[key] = saved[cand]
-                break
-    missing = sorted(set(wanted) - set(mapped))
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} RFA tensors, e.g. {missing[:3]}")
-    model.load_state_dict(mapped, strict=False)
 
 
 def from_pretrained(name_or_path: str | os.PathLike, model_class: type[nn.Module] | None = None, **kwargs: Any) -> nn.Module:

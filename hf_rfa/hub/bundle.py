@@ -41,6 +41,7 @@ BUNDLED_MODULES = (
     "hf_rfa.feature_maps.registry",
     "hf_rfa.hf.attention",
     "hf_rfa.hf.cache",
+    "hf_rfa.hf.checkpoint",
     "hf_rfa.hf.rope",
     "hf_rfa.hf.convert",
     "hf_rfa.ops",

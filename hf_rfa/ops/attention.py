@@ -18,7 +18,7 @@ from .fused import causal_feature_attention, fold_keys
 from .hybrid import exact_local, exact_local_last
 from .hybrid_recompute import hybrid_attention
 from .linear import bidirectional_linear, causal_linear, shift_keys
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
+from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, saturate_grad, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import check_memory_args, memory_attention
 from .partial import Partial, finalize, last_rows, merge
 from .recurrent import LinearState
@@ -126,6 +126,8 @@ def random_feature_attention(
             feature_q, feature_k = unrotate(q, *feature_rope), unrotate(k, *feature_rope)
             feature_rope = None
     km = key_mask_bool(attention_mask, b, nk, q.device)
+    # float16 gradients: a true gradient beyond 65504 (an ill-conditioned normaliser) saturates, not inf
+    q, k, v, feature_q, feature_k = (saturate_grad(t) for t in (q, k, v, feature_q, feature_k))
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     extra = (feature_q, feature_k) if feature_q is not None else ()

@@ -66,8 +66,9 @@ class BandPlan:
         return torch.nn.functional.pad(x, (0, 0, self.left, self.npad + self.right - self.n))
 
 
-def band_plan(xq: torch.Tensor, key_mask: torch.Tensor | None, window: int, sinks: int, causal: bool, chunk_size: int = 64, block_size: int = 512) -> BandPlan:
-    """Layout of the exact part for queries ``xq [B, Hkv, G, N, D]``."""
+def band_plan(xq: torch.Tensor, key_mask: torch.Tensor | None, window: int, sinks: int, causal: bool, chunk_size: int = 64, block_size: int = 512, nk: int | None = None) -> BandPlan:
+    """Layout of the exact part for queries ``xq [B, Hkv, G, N, D]`` (``nk``: the number of keys
+    when it differs from N — bidirectional, no window: the sinks are the first S of the *keys*)."""
     b, hkv, g, n, _ = xq.shape
     dev = xq.device
     c = max(1, min(chunk_size, n))
@@ -82,7 +83,7 @@ def band_plan(xq: torch.Tensor, key_mask: torch.Tensor | None, window: int, sink
         band = (j_k >= i_q) & (j_k <= i_q + left + right) if not causal else (j_k >= i_q) & (j_k <= i_q + left)
     spos = sexists = None
     if sinks > 0:
-        spos, sexists = sink_positions(key_mask, b, n, sinks, dev)  # [B,S]
+        spos, sexists = sink_positions(key_mask, b, nk or n, sinks, dev)  # [B,S]
     return BandPlan(b, hkv, g, n, c, -(-n // c), max(1, block_size // c), left, right, window, sinks, causal, real, band, spos, sexists)
 
 
@@ -176,7 +177,7 @@ def exact_local(
     ``recompute``: with autograd, keep only the inputs and recompute each block's probabilities
     in backward (:mod:`hf_rfa.ops.recompute`; O(N·D) saved instead of O(N·(C+W+S)) per head).
     """
-    plan = band_plan(xq, key_mask, window, sinks, causal, chunk_size, block_size)
+    plan = band_plan(xq, key_mask, window, sinks, causal, chunk_size, block_size, nk=xk.shape[2])
     if recompute and needs_grad(xq, xk, v):
         from .recompute import BandFunction
 

@@ -110,6 +110,12 @@ def key_mask_bool(attention_mask: torch.Tensor | None, b: int, nk: int, device) 
             f"attention_mask must be a 2-D padding mask of shape [B, Nk] = [{b}, {nk}], "
             f"got {tuple(attention_mask.shape)}"
         )
+    if attention_mask.is_floating_point() and not torch.compiler.is_compiling():
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()) or not bool((attention_mask == 1).any()):
+            raise ValueError(
+                "attention_mask is a float tensor that is not a 0/1 padding mask with some 1 (an additive 0/-inf mask? "
+                "all zeros reads as all padded): pass a padding mask (1/True = real token, 0/False = padding), e.g. additive_mask == 0"
+            )
     return attention_mask.to(device=device).bool() if attention_mask.dtype != torch.bool else attention_mask.to(device)
 
 
@@ -170,10 +176,12 @@ def guard_inputs(
     q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` → the same shapes.
     """
     compiling = torch.compiler.is_compiling()
+    # both branches hand on contiguous tensors: the same strides give the same summation order,
+    # so rows that see no non-finite input are bit-identical whether or not another row does
     if not compiling and _all_finite(q, k, v):  # the common case: the ops mask padded keys exactly
-        return q, k, v, None
+        return q.contiguous(), k.contiguous(), v.contiguous(), None
     q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
-    return q, k, v, _key_poison(kbad, causal, q.shape[2], q.shape[1] // k.shape[1]) | qbad
+    return q.contiguous(), k.contiguous(), v.contiguous(), _key_poison(kbad, causal, q.shape[2], q.shape[1] // k.shape[1]) | qbad
 
 
 def _key_poison(kbad: torch.Tensor, causal: bool, nq: int, g: int) -> torch.Tensor:
@@ -195,9 +203,9 @@ def guard_feature_inputs(
     ``feature_k [B, Hkv, Nk, D]``): non-finite rows are zeroed and the rows softmax would make NaN
     (a bad query itself; those that see a bad real key) are added to ``poison`` (None: none yet)."""
     if not torch.compiler.is_compiling() and _all_finite(feature_q, feature_k):
-        return feature_q, feature_k, poison
+        return feature_q.contiguous(), feature_k.contiguous(), poison
     qbad, kbad = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1)
-    feature_q, feature_k = feature_q.masked_fill(qbad[..., None], 0), feature_k.masked_fill(kbad[..., None], 0)
+    feature_q, feature_k = feature_q.masked_fill(qbad[..., None], 0).contiguous(), feature_k.masked_fill(kbad[..., None], 0).contiguous()
     if key_mask is not None:  # a padded key is zeroed but poisons nothing
         kbad = kbad & key_mask[:, None, :]
     rows = qbad | _key_poison(kbad, causal, feature_q.shape[2], feature_q.shape[1] // feature_k.shape[1])
@@ -263,3 +271,25 @@ def check_feature_inputs(q, k, feature_q, feature_k):
         if not x.is_floating_point() or x.device != ref.device:
             raise ValueError(f"{name} must be a floating tensor on {ref.device}, got {x.dtype} on {x.device}")
     return feature_q, feature_k
+
+
+class _SaturateGrad(torch.autograd.Function):
+    """Identity forward; backward saturates a gradient that left float16's range at ±max (as the
+    forward output is clamped by :func:`to_output_dtype`) instead of handing on ±inf."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        big = torch.finfo(grad.dtype).max
+        return grad.nan_to_num(nan=float("nan"), posinf=big, neginf=-big)
+
+
+def saturate_grad(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` whose float16 gradient saturates at ±65504 instead of overflowing (other dtypes: ``x``)."""
+    if x is None or x.dtype != torch.float16 or not x.requires_grad:
+        return x
+    return _SaturateGrad.apply(x)
+

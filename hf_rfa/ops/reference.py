@@ -145,6 +145,8 @@ def quadratic_kernel_attention(
     feat = visible & ~exact & (not null)
     scores = (qs @ _expand_kv(ks, g).transpose(-1, -2))
     log_w = torch.where(exact, scores, torch.where(feat, logmag, torch.full_like(scores, NEG)))
+    if nk == 0:  # no keys: every row is zero (as the op gives)
+        return q.new_zeros(b, h, nq, v.shape[-1])
     off = log_w.amax(dim=-1, keepdim=True).detach()
     w_exact = torch.exp(torch.where(exact, scores - off, torch.full_like(scores, NEG)))
     w_feat = dot * torch.exp(torch.where(feat, logmag - off, torch.full_like(scores, NEG)))

@@ -29,8 +29,11 @@ def _terms(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo ``x·cos + rotate_half(x)·sin``: x ``[B, H, N, D]``, cos/sin ``[B or 1, N, Dr]`` (Dr ≤ D,
     even) → ``[B, H, N, D]`` in x's dtype. Rotations with a scale (``cos² + sin² ≠ 1``, e.g.
-    YaRN's attention factor) are divided out."""
+    YaRN's attention factor) are divided out. float16 / bfloat16 inputs are un-rotated and returned
+    in float32 (a finite half-precision key can leave float16's range while it is un-rotated)."""
     dr = cos.shape[-1]
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
     cos, sin, den = _terms(x, cos, sin)
     xr = x[..., :dr]
     out = (xr * cos - rotate_half(xr) * sin) / den
@@ -60,6 +63,10 @@ def check_rope(rope, q: torch.Tensor, k: torch.Tensor, name: str = "feature_rope
         raise ValueError(f"{name}: rotary dim {cos.shape[-1]} must be even, > 0 and <= the head dim {d}")
     if not (cos.is_floating_point() and sin.is_floating_point()):
         raise ValueError(f"{name}: cos/sin must be floating point, got {cos.dtype}/{sin.dtype}")
+    if not torch.compiler.is_compiling():
+        scale = cos.double() ** 2 + sin.double() ** 2
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 1e-4).any()):
+            raise ValueError(f"{name}: cos/sin must be finite with cos² + sin² > 0 (a rotation, possibly scaled), got cos² + sin² in [{scale.min().item():.3g}, {scale.max().item():.3g}]")
     return cos, sin
 
 

@@ -33,6 +33,8 @@ FAMILIES = {
     "phi3": (lambda: tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, **_C)), None),
     "gpt-neox": (lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)), None),
     "bart": (lambda: tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)), None),
+    "llama4-chunked": (lambda: tf.Llama4ForCausalLM(tf.Llama4TextConfig(head_dim=8, num_local_experts=1, intermediate_size_mlp=64, attention_chunk_size=4, **_C)), "chunked"),
+    "doge": (lambda: tf.DogeForCausalLM(tf.DogeConfig(**_C)), "dynamic mask"),
     "t5": (lambda: tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)), "relative position bias"),
 }
 

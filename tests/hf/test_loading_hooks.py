@@ -87,3 +87,24 @@ def test_stock_auto_peft_loader_without_rfa_config_raises(tmp_path):
     (adapter / ADAPTER_RFA_CONFIG).unlink()
     with pytest.raises(ValueError, match="rfa"):
         AutoPeftModelForCausalLM.from_pretrained(adapter)
+
+
+def test_peft_own_save_pretrained_writes_the_rfa_files(tmp_path):
+    """PEFT's save_pretrained of an adapter on a converted model saves rfa_config.json and the RFA tensors."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_rfa.hf.loading import ADAPTER_RFA_STATE
+
+    model = get_peft_model(hf_rfa.convert(tiny_model("llama"), CFG), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path)
+    assert hf_rfa.RFAConfig.from_dict(__import__("json").loads((tmp_path / ADAPTER_RFA_CONFIG).read_text())) == CFG
+    assert (tmp_path / ADAPTER_RFA_STATE).is_file()
+
+
+def test_adapter_on_a_base_converted_otherwise_is_refused(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    get_peft_model(hf_rfa.convert(tiny_model("llama"), CFG), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path)
+    other = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=16, seed=3))
+    with pytest.raises(ValueError, match="num_features"):
+        PeftModel.from_pretrained(other, tmp_path)

@@ -253,13 +253,15 @@ def test_exported_folder_layout_and_config(remote):
     assert {"config.json", "model.safetensors", "README.md", MODELING_FILE} <= names
     assert set(bundle_sources()) <= names
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoModelForCausalLM": "modeling_hf_rfa.RFALlamaForCausalLM"}
+    # a marked model type: where hf_rfa is not imported, only trust_remote_code=True loads it (never as softmax)
+    assert cfg["model_type"] == "hf_rfa_llama"
+    assert cfg["auto_map"] == {"AutoConfig": "modeling_hf_rfa.LlamaConfig", "AutoModelForCausalLM": "modeling_hf_rfa.RFALlamaForCausalLM"}
     assert cfg["rfa_config"] == models["llama_gqa_favor_window_sinks"].config.rfa_config
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     bert = json.loads((tmp / "bert_positive_redraw3" / "config.json").read_text())
     assert bert["auto_map"]["AutoModel"] == "modeling_hf_rfa.RFABertModel"
     cls = json.loads((tmp / "llama_cls_rfa_gate" / "config.json").read_text())
-    assert list(cls["auto_map"])[0] == "AutoModelForSequenceClassification"
+    assert [a for a in cls["auto_map"] if a != "AutoConfig"][0] == "AutoModelForSequenceClassification"
 
 
 def test_transformers_copies_every_generated_file(remote):

@@ -93,6 +93,45 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(output_dir, max(complete)[1]) if complete else None
 
 
+def resolve_resume(resume: str | None, output_dir: str) -> str | None:
+    """The checkpoint folder to resume from: ``latest`` is the newest complete one in
+    ``output_dir``; ValueError when there is none (a resume never starts from scratch in silence)."""
+    if resume != "latest":
+        return resume
+    found = latest_checkpoint(output_dir)
+    if found is None:
+        raise ValueError(f"resume_from_checkpoint='latest': {output_dir!r} holds no complete checkpoint ({CHECKPOINT_PREFIX}N with {COMPLETE_FILE}); omit the flag to train from scratch")
+    return found
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def load_state_exactly(accelerator, folder: str) -> None:
+    """``accelerator.load_state(folder)``, refusing (ValueError) a checkpoint whose RNG state is
+    missing or unreadable: accelerate would skip it with an INFO line and the resume would not be exact."""
+    rng = os.path.join(folder, f"random_states_{accelerator.process_index}.pkl")
+    if not os.path.isfile(rng):
+        raise ValueError(f"checkpoint {folder!r} lacks {os.path.basename(rng)}: an exact resume needs the RNG state it saved")
+    said, log = _Said(), logging.getLogger("accelerate.checkpointing")
+    level = log.level
+    log.addHandler(said)
+    log.setLevel(logging.INFO)
+    try:
+        accelerator.load_state(folder)
+    finally:
+        log.removeHandler(said)
+        log.setLevel(level)
+    if any("Could not load random states" in m for m in said.messages):
+        raise ValueError(f"checkpoint {folder!r}: {os.path.basename(rng)} is unreadable (corrupt or truncated): an exact resume needs the RNG state it saved")
+
+
 def save_checkpoint(accelerator, state: TrainState, folder: str) -> None:
     """``accelerator.save_state`` + the JSON train state, then ``COMPLETE`` once every process is done."""
     accelerator.save_state(folder)
@@ -212,16 +251,14 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     scheduler = accelerator.prepare(scheduler)
     state = TrainState()  # saved as JSON next to accelerate's files (not registered: that would pickle it)
 
-    resume = args.resume_from_checkpoint
-    if resume == "latest":
-        resume = latest_checkpoint(args.output_dir)
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume:
         if not os.path.isdir(resume):
             raise ValueError(f"resume_from_checkpoint {resume!r} is not a checkpoint folder")
         pickles = sorted(f for f in os.listdir(resume) if f.startswith("custom_checkpoint_"))
         if pickles:  # accelerate would unpickle them (arbitrary code); hf_rfa never writes them
             raise ValueError(f"checkpoint {resume!r} holds {pickles}: hf_rfa saves its training state as JSON and never unpickles one; remove these files to resume")
-        accelerator.load_state(resume)
+        load_state_exactly(accelerator, resume)
         state.load_json(resume)
         if interval and state.redraw_step:
             redraw(model, state.redraw_step)  # projections are a function of the step: restore exactly

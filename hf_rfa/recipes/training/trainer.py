@@ -53,7 +53,7 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
     )
     results: dict = {}
     if training_args.do_train:
-        out = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        out = trainer.train(resume_from_checkpoint=trainer_resume(training_args.resume_from_checkpoint, training_args.output_dir))
         results.update(out.metrics)
         results["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         results["redraws"] = redraw_cb.redraws
@@ -85,3 +85,16 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
     # under it: "terminate called without an active exception", SIGABRT)
     trainer.accelerator.wait_for_everyone()
     return results
+
+
+def trainer_resume(resume: str | None, output_dir: str) -> str | None:
+    """``resume_from_checkpoint`` for ``Trainer.train``: ``latest`` is the newest ``checkpoint-N`` in
+    ``output_dir`` (ValueError when there is none); a folder is passed as is."""
+    if resume != "latest":
+        return resume
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if found is None:
+        raise ValueError(f"resume_from_checkpoint='latest': {output_dir!r} holds no checkpoint-N folder; omit the flag to train from scratch")
+    return found
