@@ -130,7 +130,7 @@ def window_only_baseline(s: State) -> None:
     fit: its untrained row is the baseline at the same budget."""
     cfg = s.cfg
     window, sinks = cfg.rfa.window, cfg.rfa.sinks
-    if not (cfg.window_only_baseline and (window or sinks) and cfg.rfa.feature_map != "none"):
+    if not (cfg.evaluates_window_only and (window or sinks) and cfg.rfa.feature_map != "none"):
         return
     memory = cfg.rfa.memory  # the baseline keeps any exact memory of the recipe
     convert(s.model, RFAConfig(feature_map="none", window=window, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
