@@ -63,11 +63,11 @@ def _publish(tmp: Path, output: Path) -> None:
 def run(cfg: ConversionConfig) -> dict:
     """Run one conversion; returns the report (also written to ``output/report.json``)."""
     torch.manual_seed(cfg.seed)
-    checks.check_inputs(cfg)
     report_plot = plotting_available()  # checked before any expensive stage
     output = Path(cfg.output).resolve()
     tmp = _tmp_dir(output, cfg.overwrite, (cfg.model, cfg.calibration_text, cfg.train_text, cfg.eval_text))
     try:
+        checks.check_inputs(cfg)
         report = _run(cfg, tmp, plot=report_plot)
         _publish(tmp, output)
     except BaseException:
