@@ -55,7 +55,10 @@ else:
 from .hub.export import export, push_to_hub  # noqa: E402
 
 
-def linearize(model, preset: str = "recall", train_texts=None, tokenizer=None, progress: bool = False, **settings):
+def linearize(
+    model: "torch.nn.Module | str", preset: str = "recall", train_texts: "str | list[str] | None" = None,
+    tokenizer: "object" = None, progress: bool = False, **settings: "object",
+) -> "torch.nn.Module":
     """Convert and train ``model`` as ``hf-rfa-convert --preset`` does (convert → attention transfer →
     LoRA → exact memory), without its evaluation and export; see
     :func:`hf_rfa.recipes.conversion.linearize.linearize`."""

@@ -249,7 +249,7 @@ def _acc_args(assets, out, family="bert", **extra) -> list[str]:
         data = ["--task", "classification", "--train_file", assets["train_csv"], "--validation_file", assets["test_csv"]]
     else:
         data = ["--task", "causal-lm", "--train_file", assets["train_txt"], "--validation_file", assets["eval_txt"], "--max_seq_length", "16"]
-    args = ["--model_name_or_path", assets[family], *data, "--feature_map", "favor+", "--num_features", "16", "--window", "0", "--sinks", "0", "--redraw_interval", "2",
+    args = ["--model_name_or_path", assets[family], *data, "--preset", "favor+", "--num_features", "16", "--redraw_interval", "2",
             "--max_train_steps", "6", "--learning_rate", "1e-3", "--disable_tqdm", "true", "--output_dir", str(out), "--seed", "0"]
     for k, v in extra.items():
         args += [f"--{k}", str(v)]
