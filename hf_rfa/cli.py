@@ -171,6 +171,7 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {a.task} is undefined")
+    _check_positions(p, a, model)
     if a.task == "passkey":
         r = long_range.passkey_task(model, tok, a.lengths, a.depths, a.trials, a.seed, progress=a.progress)
         out = {"task": a.task, **r}
@@ -184,6 +185,16 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
             out = {"task": a.task, "perplexity": r["perplexity"], "tokens": r["tokens"], "windows": r["windows"], "context": r["context"]}
     print(json.dumps(out))
     return out
+
+
+def _check_positions(p, a: EvaluateArguments, model) -> None:
+    """A model with learned positions cannot read past them: refuse before any window is evaluated."""
+    from .recipes.conversion.checks import learned_positions
+
+    limit = learned_positions(model)
+    longest = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths))}[a.task]
+    if limit is not None and longest[1] > limit:
+        p.error(f"{longest[0]}: {a.task} needs {longest[1]} tokens but {a.model} has {limit} learned positions")
 
 
 # --------------------------------------------------------------------------- training

@@ -183,3 +183,16 @@ def test_two_process_accelerate_launch_exits_0(tiny_dir, tmp_path):
     )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "ChildFailedError" not in r.stderr and (tmp_path / "run" / "final").is_dir()
+
+
+def test_evaluate_refuses_a_context_beyond_learned_positions(tiny_dir, capsys):
+    from transformers import AutoConfig
+
+    from hf_rfa import cli
+
+    limit = AutoConfig.from_pretrained(tiny_dir["gpt2"]).n_positions
+    with pytest.raises(SystemExit) as e:
+        cli.evaluate_main(["--model", tiny_dir["gpt2"], "--text", tiny_dir["eval"], "--context", str(limit + 1), "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--context: perplexity needs {limit + 1} tokens but" in err and f"has {limit} learned positions" in err and "Traceback" not in err

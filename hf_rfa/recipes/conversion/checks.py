@@ -67,6 +67,11 @@ def _positions(model: nn.Module) -> int | None:
     return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
 
+def learned_positions(model: nn.Module) -> int | None:
+    """How many positions a model without rotary embeddings can read (None: rotary, or not recorded)."""
+    return None if _rotary(model) else _positions(model)
+
+
 def check_model(cfg: ConversionConfig, model: nn.Module, kind: str) -> list[str]:
     """Refuse what the loaded model cannot run (``ValueError``); returns the warnings logged."""
     target = cfg.rfa_config()
@@ -101,4 +106,4 @@ def check_model(cfg: ConversionConfig, model: nn.Module, kind: str) -> list[str]
     return warnings
 
 
-__all__ = ["check_inputs", "check_model"]
+__all__ = ["check_inputs", "check_model", "learned_positions"]
