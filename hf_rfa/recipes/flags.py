@@ -88,12 +88,6 @@ def _options(flag: str, value: str | dict | None) -> dict:
     return out
 
 
-def _default(f: Field) -> Any:
-    if f.default is not MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not MISSING else MISSING
-
-
 def _rfa_flag_fields(spec: FlagSpec, preset: Preset) -> list[tuple[str, Any, Field]]:
     """One flat field per ``RFAConfig`` field: its help, the preset's value as default, listed choices."""
     hints = typing.get_type_hints(RFAConfig)
