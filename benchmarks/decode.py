@@ -30,23 +30,24 @@ import hf_rfa
 
 logger = logging.getLogger("benchmarks.decode")
 
+#: the recall preset's attention (hf_rfa.presets)
+RECALL = hf_rfa.RFAConfig.from_preset("recall").to_dict()
 VARIANTS = {
     "rfa favor+ m=128": dict(feature_map="favor+", num_features=128),
     "rfa favor+ m=128 W=64 S=4": dict(feature_map="favor+", num_features=128, window=64, sinks=4),
     # exact global memory (hf_rfa.ops.memory): its 128 keys/values per kv head (+ the <= 64 keys awaiting
     # the next refresh) are part of the cache bytes reported (RFACache.nbytes)
     "rfa favor+ m=128 W=64 S=4 memory=128": dict(feature_map="favor+", num_features=128, window=64, sinks=4, memory=128, memory_every=64),
-    # the main job's recipe (Hedgehog m=64 -> 128 features on un-rotated q/k, decay) and its
-    # equal-state baseline (window-only W128): the cache bytes should match within the shared rotary ring
-    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated": dict(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated"),
+    # the recall preset (Hedgehog m=64 -> 128 features on un-rotated q/k, decay; its memory switched on
+    # after training) and its equal-state baseline (window-only W128): the cache bytes should match
+    # within the shared rotary ring
+    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated": RECALL,
     "window-only W=128 S=4": dict(feature_map="none", window=128, sinks=4),
-    # the recall recipe with a memory (the recipe + an exact memory of 128 keys per kv
-    # head chosen by the feature state's recall error) and its baseline (window-only W64 + the memory by ||v||)
-    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=128 feature_error": dict(
-        feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated", memory=128, memory_every=64, memory_score="feature_error"),
+    # the recall preset with an exact memory of 128 / 256 keys per kv head chosen by the feature
+    # state's recall error, and its baseline (window-only W64 + the memory by ||v||)
+    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=128 feature_error": {**RECALL, "memory": 128, "memory_every": 64},
     "window-only W=64 S=4 memory=128": dict(feature_map="none", window=64, sinks=4, memory=128, memory_every=64),
-    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=256 feature_error": dict(
-        feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128, feature_input="unrotated", memory=256, memory_every=64, memory_score="feature_error"),
+    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=256 feature_error": {**RECALL, "memory": 256, "memory_every": 64},
     "window-only W=64 S=4 memory=256": dict(feature_map="none", window=64, sinks=4, memory=256, memory_every=64),
 }
 

@@ -39,14 +39,20 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: converted recipes (``--recipe``): ``main`` is ``make main``'s; ``favor256`` the
-#: first recipe of the training-speed table (``benchmarks/results/train_step.md``)
+def _preset(name: str) -> dict:
+    from hf_rfa.presets import get_preset
+
+    return get_preset(name).config().to_dict()
+
+
+#: converted recipes (``--recipe``): ``main`` is the recall preset (``make main``'s attention);
+#: ``favor256`` the first recipe of the training-speed table (``benchmarks/results/train_step.md``)
 RECIPES = {
-    "main": dict(feature_map="hedgehog", num_features=64, window=64, sinks=4, decay=128.0, feature_input="unrotated", seed=0, feature_map_options={"hybrid_mix": True}),
+    "main": _preset("recall"),
     "favor256": dict(feature_map="favor+", num_features=256, window=256, sinks=4, seed=0),
 }
 RECIPE_NAMES = {
-    "main": "Hedgehog m=64 (128 features) + window 64 + 4 sinks + decay half-life 128 on un-rotated q/k (the main job's recipe)",
+    "main": "Hedgehog m=64 (128 features) + window 64 + 4 sinks + decay half-life 128 on un-rotated q/k (the recall preset)",
     "favor256": "FAVOR+ m=256 + window 256 + 4 sinks",
 }
 #: where each recipe's rows are merged by default

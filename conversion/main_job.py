@@ -2,15 +2,16 @@
 
 1. prepares the offline assets (:mod:`hf_rfa.assets`): SmolLM2-135M-Instruct from its GGUF,
    the Wikipedia articles split into disjoint calibration / train / eval files;
-2. converts SmolLM2 to a hybrid — exact window of 64 + 4 exact sink tokens + a learned Hedgehog map
+2. converts SmolLM2 with the **recall preset** (``--preset recall``, :mod:`hf_rfa.presets`) to a hybrid — exact window of 64 + 4 exact sink tokens + a learned Hedgehog map
    (m=64, 128 features) for every other key, reading q/k before the rotary embedding
    (``feature_input="unrotated"``), with a learned decay of the feature state (half-life 128 at
    start) — trains the map by attention transfer on 131,072 train tokens at context 1024 (four
    optimiser steps per sequence: its last 256 queries, then the 256 before them, and so on down to
    its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 32,768 tokens at context
    4096 (token budgets: the 30-min limits are only safety limits that fail the run);
-3. does the same for the **window-only baseline** (``feature_map="none"``: the same window and sinks,
-   every other key dropped, its own LoRA with the same budget), the strongest trivial baseline;
+3. does the same for the **window-only baseline** (``--window-only-baseline``; ``feature_map="none"``: the
+   same window and sinks, every other key dropped, its own LoRA with the same budget), the strongest
+   trivial baseline;
 4. switches on an **exact memory** of 256 keys per kv head after training (``--memory-after-training
    256``, :func:`hf_rfa.set_memory`; it has no parameters): in the recipe the features choose it —
    the keys whose value the feature state recalls worst (``--memory-score feature_error``) — in the
@@ -44,16 +45,15 @@ import sys
 import time
 
 
+#: the recall preset (hf_rfa.presets: its attention settings and training budgets) and what the main
+#: job adds: the window-only baseline, safety limits, its evaluation grid (docstring above)
 DEFAULT = [
-    "--feature-map", "hedgehog", "--num-features", "64", "--window", "64", "--sinks", "4", "--decay", "128",
-    "--feature-input", "unrotated", "--transfer-tokens", "131072", "--transfer-query-blocks", "4", "--transfer-minutes", "30", "--no-evaluate-before-transfer",
-    "--memory-after-training", "256", "--memory-score", "feature_error", "--no-baselines",
-    "--context", "1024", "--lora-tokens", "32768", "--lora-context", "4096", "--lora-minutes", "30",
+    "--preset", "recall", "--window-only-baseline", "--transfer-minutes", "30", "--lora-minutes", "30", "--no-evaluate-before-transfer",
     "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",
     "--copy-gaps", "512", "3584", "--copy-draws", "2", "--passkey-lengths", "1024", "--passkey-trials", "4",
 ]
 QUICK = [
-    "--feature-map", "favor+", "--num-features", "128", "--window", "64", "--sinks", "4", "--no-random-hybrid",
+    "--preset", "favor+", "--num-features", "128", "--window", "64", "--sinks", "4", "--baselines", "--no-random-hybrid",
     "--context", "512", "--lora-tokens", "1024", "--lora-context", "256", "--lora-minutes", "10",
     "--eval-contexts", "512", "--eval-tokens", "2048", "--error-tokens", "512", "--random-num-features", "128",
     "--copy-gaps", "128", "--copy-draws", "2",

@@ -55,9 +55,19 @@ def _quote(arg: str) -> str:
     return "~/" + shlex.quote(arg[2:]) if arg.startswith("~/") else shlex.quote(arg)
 
 
+def _current_keys(cfg: dict) -> dict:
+    """A run's config in today's flags: runs that recorded ``hybrid_mix`` (the command line then added
+    that option to Hedgehog hybrids) carry it in ``feature_map_options``, where presets put it now."""
+    cfg = dict(cfg)
+    if cfg.pop("hybrid_mix", False) and cfg.get("feature_map") == "hedgehog" and (cfg.get("window") or cfg.get("sinks")):
+        cfg["feature_map_options"] = {**(cfg.get("feature_map_options") or {}), "hybrid_mix": True}
+    return cfg
+
+
 def command_of(cfg: dict) -> str:
     """The ``conversion/convert.py`` command line that reproduces a run's config: the main flags
     always, every other flag whose value differs from today's default (nothing a run set is lost)."""
+    cfg = _current_keys(cfg)
     parts = ["python", "conversion/convert.py", "--model", cfg["model"], "--output", cfg["output"]]
     for k in _FLAGS:
         v = cfg.get(k)
@@ -69,7 +79,7 @@ def command_of(cfg: dict) -> str:
             continue
         v, flag = cfg[k], f"--{k.replace('_', '-')}"
         if k == "feature_map_options":
-            if v:
+            if v != json.loads(default or "{}"):
                 parts += [flag, json.dumps(v, sort_keys=True)]
         elif k == "layers":
             if v:

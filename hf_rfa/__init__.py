@@ -8,6 +8,8 @@ Public API::
     ref = hf_rfa.softmax_attention(q, k, v, causal=True)
 
     model = hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="favor+", num_features=256))
+    model = hf_rfa.convert(model, hf_rfa.RFAConfig.from_preset("recall"))   # hf_rfa.available_presets()
+    model = hf_rfa.linearize(model_or_id, "recall", train_texts=...)      # convert + transfer + LoRA + memory
     model.save_pretrained("out"); model = hf_rfa.from_pretrained("out", AutoModelForCausalLM)
     for fm in hf_rfa.model_feature_maps(model): ...   # hf_rfa.feature_maps is the subpackage
 """
@@ -17,6 +19,7 @@ from .feature_maps import FeatureMap, Features, available_feature_maps, build_fe
 from .ops import LinearState, quadratic_kernel_attention, random_feature_attention, softmax_attention
 from .ops.backends.kernels import compile_enabled, set_compile
 from .ops.backends.native import native_enabled, set_native
+from .presets import available_presets
 
 __version__ = "0.2.0"
 
@@ -51,6 +54,18 @@ else:
     install_generate_hook()
 from .hub.export import export, push_to_hub  # noqa: E402
 
+
+def linearize(
+    model: "torch.nn.Module | str", preset: str = "recall", train_texts: "str | list[str] | None" = None,
+    tokenizer: "object" = None, progress: bool = False, **settings: "object",
+) -> "torch.nn.Module":
+    """Convert and train ``model`` as ``hf-rfa-convert --preset`` does (convert → attention transfer →
+    LoRA → exact memory), without its evaluation and export; see
+    :func:`hf_rfa.recipes.conversion.linearize.linearize`."""
+    from .recipes.conversion.linearize import linearize as _linearize
+
+    return _linearize(model, preset, train_texts, tokenizer, progress, **settings)
+
 __all__ = [
     "compile_enabled",
     "set_compile",
@@ -63,12 +78,14 @@ __all__ = [
     "RFACacheLayer",
     "RFAConfig",
     "available_feature_maps",
+    "available_presets",
     "build_feature_map",
     "compile_layers",
     "convert",
     "export",
     "find_attention_modules",
     "from_pretrained",
+    "linearize",
     "model_feature_maps",
     "push_to_hub",
     "quadratic_kernel_attention",

@@ -7,8 +7,13 @@
 
 Flags: every command parses with ``transformers.HfArgumentParser`` over the
 recipe dataclasses (:mod:`hf_rfa.recipes.flags`: the contained ``RFAConfig`` becomes flags of its
-own, defaults = the recommended recipe); every flag takes either spelling (``--feature-map`` /
-``--feature_map``).
+own); ``--preset NAME`` (default ``recall``, :mod:`hf_rfa.presets`) gives every other flag its
+default, and flags given explicitly override it; every flag takes either spelling
+(``--feature-map`` / ``--feature_map``).
+
+Each installed command prints its summary on stdout and exits 0 on success. A user error (a bad
+value, a missing file, a length the model cannot take) is one line on stderr naming the fix, exit
+status 2, no traceback; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-CONVERT_DESCRIPTION = "Convert a checkpoint to random feature attention: transfer, (LoRA), quality report, export."
+CONVERT_DESCRIPTION = ("Convert a checkpoint to random feature attention: transfer, (LoRA), quality report, export. "
+                       "--preset NAME gives every flag's default (flags given override it); --debug shows tracebacks.")
 EVALUATE_DESCRIPTION = "Perplexity, copy or passkey of any causal-LM checkpoint, original or converted; prints one JSON line."
 EVALUATE_TASKS = ("perplexity", "copy", "passkey")
 
@@ -43,36 +49,54 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # --------------------------------------------------------------------------- installed entry points
-def _command(main):
+#: what a command reports as a user error in one line (bad values, missing files, unreachable Hub ids)
+USER_ERRORS = (ValueError, OSError)
+DEBUG_FLAG = "--debug"
+
+
+def _command(main, prog: str):
     """An installed command around ``main``: the console-script wrapper calls ``sys.exit(command())``,
     so the command returns 0 on success (``main`` itself returns its report for Python callers; a dict
-    given to ``sys.exit`` would be printed to stderr and exit with status 1)."""
+    given to ``sys.exit`` would be printed to stderr and exit with status 1). A user error
+    (:data:`USER_ERRORS`) becomes one line on stderr and status 2, unless ``--debug`` is given."""
 
     def command(argv: list[str] | None = None) -> int:
-        main(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        debug = DEBUG_FLAG in argv
+        argv = [a for a in argv if a != DEBUG_FLAG]
+        try:
+            main(argv)
+        except USER_ERRORS as e:
+            if debug:
+                raise
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"{prog}: error: {message} (--debug shows the traceback)", file=sys.stderr)
+            return 2
         return 0
 
     command.__name__ = command.__qualname__ = f"{main.__name__}_command"
-    command.__doc__ = f"Installed command: runs :func:`{main.__name__}`, exits 0 on success."
+    command.__doc__ = f"Installed command ``{prog}``: runs :func:`{main.__name__}`, exits 0 on success, 2 on a user error."
     return command
 
 
 # --------------------------------------------------------------------------- hf-rfa-convert
-def convert_parser():
+def convert_parser(preset: str | None = None):
     """``HfArgumentParser`` over :class:`ConversionConfig` (its ``RFAConfig`` spread into flags);
-    defaults: the recommended recipe (:data:`hf_rfa.recipes.flags.RECIPE`)."""
+    defaults: ``preset``'s settings and budgets (None: the default preset, ``recall``)."""
     from .recipes import flags
     from .recipes.conversion.config import ConversionConfig
 
-    return flags.parser([ConversionConfig], formatter_class=_DefaultsFormatter, description=CONVERT_DESCRIPTION)
+    return flags.parser([ConversionConfig], formatter_class=_DefaultsFormatter, description=CONVERT_DESCRIPTION, preset=preset)
 
 
 def config_from_args(argv: list[str] | None = None) -> "ConversionConfig":
-    """``ConversionConfig`` from command-line flags (``--eval-tokens 0`` / ``--transfer-queries 0``: all)."""
+    """``ConversionConfig`` from command-line flags (``--preset``: the defaults of the others;
+    ``--eval-tokens 0`` / ``--transfer-queries 0``: all)."""
     from .recipes import flags
     from .recipes.conversion.config import ConversionConfig
 
-    (view,) = convert_parser().parse_args_into_dataclasses(args=argv)
+    argv = sys.argv[1:] if argv is None else argv
+    (view,) = convert_parser(flags.preset_of(argv)).parse_args_into_dataclasses(args=argv)
     return flags.from_flags(ConversionConfig, view)
 
 
@@ -92,7 +116,7 @@ def convert_main(argv: list[str] | None = None) -> dict:
     print(rows_markdown(report["rows"]))
     if "generation" in report:
         print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")
-    print(f"\noutput: {report['output']}")
+    print(f"\noutput: {report['output']} (report.json, RESULTS.md, layer_errors.md, model card)")
     if "push_error" in report:
         print(f"\npush to the Hub failed: {report['push_error']}")
     return report
@@ -147,6 +171,7 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {a.task} is undefined")
+    _check_positions(p, a, model)
     if a.task == "passkey":
         r = long_range.passkey_task(model, tok, a.lengths, a.depths, a.trials, a.seed, progress=a.progress)
         out = {"task": a.task, **r}
@@ -162,16 +187,25 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     return out
 
 
+def _check_positions(p, a: EvaluateArguments, model) -> None:
+    """A model with learned positions cannot read past them: refuse before any window is evaluated."""
+    from .recipes.conversion.checks import learned_positions
+
+    limit = learned_positions(model)
+    longest = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths))}[a.task]
+    if limit is not None and longest[1] > limit:
+        p.error(f"{longest[0]}: {a.task} needs {longest[1]} tokens but {a.model} has {limit} learned positions")
+
+
 # --------------------------------------------------------------------------- training
 def _parse_training(dataclasses: tuple, argv: list[str] | None, files: tuple[str, ...]) -> tuple:
     """``HfArgumentParser`` over the recipe's dataclasses (``RFAArguments`` spread into flags), from
     ``argv`` or a single config file argument."""
     from .recipes import flags
 
-    config_file = None
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(files):
-        config_file = sys.argv[1]
-    return flags.parse(dataclasses, argv, config_file=config_file)
+    argv = sys.argv[1:] if argv is None else argv
+    config_file = argv[0] if len(argv) == 1 and argv[0].endswith(files) else None
+    return flags.parse(dataclasses, None if config_file else argv, config_file=config_file)
 
 
 def _end_process_group() -> None:
@@ -194,6 +228,11 @@ def finetune_main(argv: list[str] | None = None) -> dict:
     level = logging.INFO if training_args.process_index == 0 else logging.WARNING
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
     _log_info(level)
+    if not (training_args.do_train or training_args.do_eval or training_args.do_predict):
+        # TrainingArguments' do_train defaults to False: a command called to fine-tune trains unless told
+        # to only evaluate (--do_eval without --do_train)
+        logging.getLogger("hf_rfa.cli").info("training (no --do_train / --do_eval given; --do_eval alone only evaluates)")
+        training_args.do_train = True
     try:
         return run_trainer(model_args, data_args, rfa_args, training_args)
     finally:
@@ -216,7 +255,7 @@ def train_accelerate_main(argv: list[str] | None = None) -> dict:
         _end_process_group()
 
 
-convert_command = _command(convert_main)
-evaluate_command = _command(evaluate_main)
-finetune_command = _command(finetune_main)
-train_accelerate_command = _command(train_accelerate_main)
+convert_command = _command(convert_main, "hf-rfa-convert")
+evaluate_command = _command(evaluate_main, "hf-rfa-evaluate")
+finetune_command = _command(finetune_main, "hf-rfa-finetune")
+train_accelerate_command = _command(train_accelerate_main, "hf-rfa-train")

@@ -124,6 +124,15 @@ class RFAConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "RFAConfig":
+        """The attention settings of a named preset (:mod:`hf_rfa.presets`: ``"recall"``,
+        ``"window-only"``, ``"encoder"``, ``"favor+"``, ``"rfa"``); ``overrides`` replace fields.
+        An unknown name raises ``ValueError`` listing the names."""
+        from .presets import get_preset
+
+        return get_preset(name).config(**overrides)
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RFAConfig":
         if not isinstance(d, dict):
             raise ValueError(f"rfa_config must be a dict of RFAConfig fields, got {type(d).__name__} {str(d)[:80]}")

@@ -98,8 +98,8 @@ def test_convert_help_lists_choices_and_every_flag_has_help():
     assert undocumented == []
     text = p.format_help()
     assert "favor+" in text and "hedgehog" in text
-    no_baselines = next(a for a in p._actions if "--no-baselines" in a.option_strings)
-    assert "default" not in p._get_formatter()._get_help_string(no_baselines)
+    no_progress = next(a for a in p._actions if "--no-progress" in a.option_strings)
+    assert "default" not in p._get_formatter()._get_help_string(no_progress)
 
 
 def test_no_public_name_shadows_a_subpackage():

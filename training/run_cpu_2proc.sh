@@ -10,7 +10,7 @@ TRAIN=${TRAIN:-$(python -c "from hf_rfa.assets import rotten_tomatoes_csv as f; 
 TEST=${TEST:-$(python -c "from hf_rfa.assets import rotten_tomatoes_csv as f; print(f('test'))")}
 LAUNCH=(env ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no)
 COMMON=(--model_name_or_path "$MODEL" --task classification --train_file "$TRAIN" --validation_file "$TEST"
-        --max_train_samples 256 --max_eval_samples 256 --max_seq_length 48 --feature_map favor+ --num_features 32 --window 0 --sinks 0 --redraw_interval 4)
+        --max_train_samples 256 --max_eval_samples 256 --max_seq_length 48 --preset favor+ --num_features 32 --redraw_interval 4)
 "${LAUNCH[@]}" training/train_accelerate.py "${COMMON[@]}" --per_device_train_batch_size 8 --max_train_steps 16 \
   --checkpointing_steps 8 --output_dir "${OUT:-runs/cpu2}/accelerate"
 "${LAUNCH[@]}" training/finetune.py "${COMMON[@]}" --per_device_train_batch_size 8 --max_steps 16 --use_cpu true \

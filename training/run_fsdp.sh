@@ -9,7 +9,7 @@ MODEL=${MODEL:-$(python -c "from hf_rfa.assets import smollm2_path; print(smollm
 TRAIN=${TRAIN:-$(python -c "from hf_rfa.assets import wikipedia_text_file as f; print(f('train'))")}
 accelerate launch --config_file "training/configs/fsdp_${ARCH}.yaml" --num_processes "$NGPU" training/train_accelerate.py \
   --model_name_or_path "$MODEL" --task causal-lm --train_file "$TRAIN" --validation_split_percentage 5 \
-  --feature_map favor+ --num_features 64 --window 64 --sinks 0 --redraw_interval 100 \
+  --preset favor+ --num_features 64 --window 64 --redraw_interval 100 \
   --max_seq_length 2048 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 \
   --learning_rate 1e-4 --max_train_steps 1000 --checkpointing_steps 250 \
   --output_dir "${OUT:-runs/fsdp-${ARCH}}" "$@"

@@ -68,6 +68,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.reference",
     "hf_rfa.ops.rotary",
     "hf_rfa.ops.scan",
+    "hf_rfa.presets",  # RFAConfig.from_preset
 )
 
 

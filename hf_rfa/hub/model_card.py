@@ -170,6 +170,11 @@ def render_model_card(
         "costs linear time and memory in the sequence length. The random projections and any learned "
         "feature-map parameters are stored in the weights (`*.rfa.feature_map.*`), so outputs are reproducible."
     )
+    if config.window:
+        intro += (
+            f" Up to {config.window} tokens every key lies inside the exact window: there the model computes exact "
+            "softmax attention, and the random features serve only keys further back."
+        )
     body = f"""
 # {title}
 

@@ -76,8 +76,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def _args(tiny, fam, output, *extra):
+    """The family's preset (encoder for BERT, recall else: GPT-2 without rotary embeddings reads
+    rotated q/k) with budgets and lengths a tiny model runs in seconds."""
     text = ["--calibration-text", tiny["sent"], "--eval-text", tiny["sent"]] if fam == "bert" else ["--calibration-text", tiny["cal"], "--eval-text", tiny["eval"]]
-    return ["--model", tiny[fam], "--output", str(output), "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
+    preset = ["--preset", "encoder", "--encoder-max-length", "128", "--encoder-pack-tokens", "0"] if fam == "bert" else [
+        "--preset", "recall", "--transfer-queries", "8", "--lora-context", "32", "--memory-after-training", "0"]
+    if fam == "gpt2":
+        preset += ["--feature-input", "rotated"]
+    return ["--model", tiny[fam], "--output", str(output), *preset, "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
             "--transfer-tokens", "256", "--lora-tokens", "0", "--context", "32", "--eval-contexts", "32", "--eval-tokens", "256",
             "--error-tokens", "64", "--random-num-features", "16", "--no-progress", *text, *extra]
 
@@ -132,7 +138,7 @@ def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
     """--learnable-projections: favor+ gets a transfer stage that moves its projections."""
     script = _script("convert")
 
-    script.main(_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections", "--no-baselines"))
+    script.main(_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections"))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["stages"]["transfer"]["tokens"] >= 256
     model, _, _ = pipeline.load_model(str(tmp_path / "out"))
@@ -169,7 +175,7 @@ def test_evaluate_converted_checkpoint_matches_in_process(tiny_dir, tmp_path):
     script = _script("evaluate")
     conv = _script("convert")
 
-    conv.main(_args(tiny_dir, "llama", tmp_path / "out", "--no-baselines"))
+    conv.main(_args(tiny_dir, "llama", tmp_path / "out"))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     final = [r for r in rep["rows"] if r["variant"] == rep["final_variant"]][0]
     got = script.main(["--model", str(tmp_path / "out"), "--text", tiny_dir["eval"], "--context", "32", "--max-tokens", "256", "--no-progress"])
@@ -272,7 +278,7 @@ def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_di
     cfg = pipeline.ConversionConfig(
         model=tiny_dir["llama"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1),
         transfer_tokens=0, lora_tokens=128, context=64, eval_contexts=[64], eval_tokens=256, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, copy_gaps=[20], copy_draws=2,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, copy_gaps=[20], copy_draws=2,
         generate_prompt=None, progress=False,
     )
     rep = pipeline.run(cfg)
@@ -298,7 +304,7 @@ def test_encoder_run_carries_the_window_only_baseline(tiny_dir, tmp_path):
         cfg = pipeline.ConversionConfig(
             model=tiny_dir["bert"], output=str(tmp_path / out), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
             transfer_tokens=128, error_tokens=64, encoder_max_length=n, calibration_text=tiny_dir["sent"], eval_text=tiny_dir["eval"],
-            baselines=False, baseline_windows=[2, 6], progress=False,
+            baselines=False, window_only_baseline=True, baseline_windows=[2, 6], progress=False,
         )
         return pipeline.run(cfg)
 
@@ -369,7 +375,7 @@ def test_main_job_shaped_run_has_the_equal_state_baseline_and_skips_the_untransf
         model=tiny_dir["llama"], output=str(tmp_path / "out"),
         rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated"),
         transfer_tokens=128, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, baseline_windows=[8],
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, baseline_windows=[8],
         evaluate_before_transfer=False, generate_prompt=None, progress=False,
     )
     rep = pipeline.run(cfg)
@@ -392,7 +398,7 @@ def test_memory_after_training_rows_and_published_model(tiny_dir, tmp_path):
         model=tiny_dir["llama"], output=str(tmp_path / "out"),
         rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated", memory_score="feature_error", memory_every=8),
         transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, memory_after_training=3,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, memory_after_training=3,
         evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
     )
     rep = pipeline.run(cfg)
@@ -430,7 +436,7 @@ def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, mon
 
     monkeypatch.setattr("huggingface_hub.HfApi.create_repo", offline)
     with caplog.at_level("WARNING", logger="hf_rfa.recipes.conversion.pipeline"):
-        report = script.main(_args(tiny_dir, "llama", tmp_path / "out", "--no-baselines", "--push-to-hub", "me/tiny-rfa"))
+        report = script.main(_args(tiny_dir, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-rfa"))
     out = tmp_path / "out"
     assert (out / "model.safetensors").is_file() and (out / "layer_errors.md").is_file()
     assert not (out / "layer_errors.png").exists()

@@ -1,5 +1,5 @@
 """One config family on the command line: ``ConversionConfig`` and ``RFAArguments``
-contain an ``RFAConfig``; ``HfArgumentParser`` parses them flat; defaults are the recommended recipe."""
+contain an ``RFAConfig``; ``HfArgumentParser`` parses them flat; defaults are the preset's (``--preset``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import fields
 import pytest
 
 from hf_rfa import RFAConfig
+from hf_rfa.presets import DEFAULT_PRESET, PRESETS
 from hf_rfa.cli import _parse_training, config_from_args, convert_parser
 from hf_rfa.recipes import flags
 from hf_rfa.recipes.conversion.config import ConversionConfig
@@ -30,33 +31,77 @@ def _script(path: str):
     return module
 
 
-def test_convert_defaults_are_the_generic_recipe():
-    """The command line's default recipe works for every model kind (FAVOR+ W256 S4); the main job
-    passes its SmolLM2 recipe explicitly (a rotary-only, causal-only setting is no CLI default)."""
+def test_convert_defaults_are_the_recall_preset():
+    """No --preset: the recall preset, settings and budgets; the Python twin builds the same config."""
     cfg = config_from_args(BASE)
-    assert cfg.rfa == flags.recipe_config() == RFAConfig(feature_map="favor+", num_features=256, window=256, sinks=4)
-    assert cfg.lora_tokens == 8192
-    main_job = _script("conversion/main_job.py")
-    quick = dict(zip(main_job.QUICK[::2], main_job.QUICK[1::2]))
-    assert quick["--feature-map"] == str(flags.RECIPE["feature_map"])
+    assert cfg.rfa == RFAConfig.from_preset("recall") == RFAConfig.from_preset(DEFAULT_PRESET)
+    assert cfg.rfa.feature_map_options == {"hybrid_mix": True} and cfg.rfa_config() == cfg.rfa  # the CLI adds nothing
+    assert (cfg.transfer_tokens, cfg.transfer_query_blocks, cfg.context, cfg.lora_tokens, cfg.lora_context, cfg.memory_after_training) == (
+        131072, 4, 1024, 32768, 4096, 256)
+    assert cfg == ConversionConfig.from_preset("recall", model="m", output="o", calibration_text="c", eval_text="e")
+    assert not cfg.baselines and not cfg.evaluates_window_only  # baselines only when asked
 
 
-def test_main_job_flags_give_the_expected_config():
-    """The main job passes its flags explicitly: the parsed config is the one it documents."""
+def _run_file() -> dict:
+    import glob
+
+    (path,) = glob.glob(os.path.join(ROOT, "conversion", "results", "runs", "smollm2-recall_v*.json"))
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_main_job_resolves_to_the_kept_run():
+    """``make main`` (now ``--preset recall`` + its evaluation flags) resolves to the config of the
+    kept run field for field, and converts the same layers: the run recorded ``hybrid_mix: true``
+    with empty map options, which the CLI turned into ``{"hybrid_mix": true}``; the preset now
+    carries that option itself."""
     main_job = _script("conversion/main_job.py")
-    cfg = config_from_args([*main_job.DEFAULT, *BASE])
-    expected = ConversionConfig(
-        model="m", output="o", calibration_text="c", eval_text="e",
-        rfa=RFAConfig(feature_map="hedgehog", num_features=64, window=64, sinks=4, seed=0, decay=128.0, feature_input="unrotated", memory_score="feature_error"),
-        baselines=False, transfer_tokens=131072, transfer_query_blocks=4, transfer_minutes=30.0, evaluate_before_transfer=False, memory_after_training=256,
-        context=1024, lora_tokens=32768, lora_context=4096, lora_minutes=30.0, eval_contexts=[1024, 4096, 8192],
-        eval_tokens=4096, error_tokens=1024, eval_twin_max=0, copy_gaps=[512, 3584], copy_draws=2,
-        passkey_lengths=[1024], passkey_trials=4,
-    )
-    assert cfg == expected
-    assert main_job.DEFAULT.count("--transfer-tokens") == 1  # a token budget, the minutes only a safety limit
+    old = _run_file()["config"]
+    paths = ["--model", old["model"], "--output", old["output"], "--overwrite", "--calibration-text", old["calibration_text"],
+             "--train-text", old["train_text"], "--eval-text", old["eval_text"]]
+    cfg = config_from_args([*main_job.DEFAULT, *paths])
+    new = cfg.to_dict()
+    assert old["hybrid_mix"] is True and old["feature_map_options"] == {}
+    recorded = RFAConfig(**{f.name: old[f.name] for f in fields(RFAConfig) if f.name != "feature_map_options"}, feature_map_options={"hybrid_mix": True})
+    assert cfg.rfa_config() == recorded
+    differ = {k: (old[k], new.get(k, "<missing>")) for k in old if k not in ("hybrid_mix", "feature_map_options") and new.get(k, "<missing>") != old[k]}
+    assert differ == {}
+    assert (cfg.baselines, cfg.window_only_baseline, cfg.evaluates_window_only) == (False, True, True)
     quick = config_from_args([*main_job.QUICK, *BASE])
-    assert (quick.rfa.num_features, quick.rfa.window, quick.random_hybrid, quick.lora_context) == (128, 64, False, 256)
+    assert (quick.rfa.feature_map, quick.rfa.num_features, quick.rfa.window, quick.rfa.decay, quick.rfa.feature_map_options) == ("favor+", 128, 64, 0.0, {})
+    assert (quick.baselines, quick.random_hybrid, quick.lora_context, quick.memory_after_training) == (True, False, 256, 0)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_parses_and_explicit_flags_override_it(name):
+    preset = PRESETS[name]
+    cfg = config_from_args([*BASE, "--preset", name])
+    assert cfg.rfa == RFAConfig.from_preset(name)
+    for field_name, value in preset.training.items():
+        assert getattr(cfg, field_name) == value, field_name
+    over = config_from_args([*BASE, "--preset", name, "--window", "16", "--lora-tokens", "5", "--seed", "3"])
+    assert over.rfa == RFAConfig.from_preset(name, window=16, seed=3) and over.lora_tokens == 5
+    assert (over.context, over.transfer_tokens) == (cfg.context, cfg.transfer_tokens)  # the rest stays the preset's
+    assert f"(default: {preset.rfa['feature_map']})" in " ".join(convert_parser(name).format_help().split())
+
+
+def test_an_other_feature_map_drops_the_presets_map_options():
+    """recall's ``hybrid_mix`` is a Hedgehog option: ``--feature-map favor+`` alone does not carry it over."""
+    cfg = config_from_args([*BASE, "--feature-map", "favor+"])
+    assert cfg.rfa.feature_map_options == {} and cfg.rfa.decay == 128.0  # every other setting stays recall's
+    kept = config_from_args([*BASE, "--feature-map", "t2r", "--feature-map-options", '{"hybrid_mix": false}'])
+    assert kept.rfa.feature_map_options == {"hybrid_mix": False}
+    assert RFAConfig.from_preset("recall", feature_map="favor+").feature_map_options == {}
+
+
+def test_unknown_preset_is_refused_with_the_names(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args([*BASE, "--preset", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"preset must be one of \['recall', 'window-only', 'encoder', 'favor\+', 'rfa'\], got 'nope'"):
+        RFAConfig.from_preset("nope")
+    with pytest.raises(ValueError, match="preset must be one of"):
+        ConversionConfig.from_preset("nope", model="m")
 
 
 def test_every_rfa_config_field_is_a_flag_with_its_help():
@@ -74,7 +119,7 @@ def test_every_rfa_config_field_is_a_flag_with_its_help():
 
 @pytest.mark.parametrize("argv, attr, value", [
     (["--feature_map", "hedgehog", "--num-features", "32"], "rfa.num_features", 32),
-    (["--feature-map", "rfa", "--gate"], "rfa.gate", True),
+    (["--preset", "rfa", "--gate"], "rfa.gate", True),
     (["--layers", "0,2"], "rfa.layers", [0, 2]),
     (["--layers", "3 1"], "rfa.layers", [1, 3]),
     (["--feature-map-options", '{"learnable": true}'], "rfa.feature_map_options", {"learnable": True}),
@@ -82,10 +127,12 @@ def test_every_rfa_config_field_is_a_flag_with_its_help():
     (["--backend", "torch"], "rfa.backend", "torch"),
     (["--seed", "7"], "seed", 7),
     (["--eval-tokens", "0"], "eval_tokens", None),
-    (["--transfer_queries", "0"], "transfer_queries", None),
-    (["--no-hybrid-mix"], "hybrid_mix", False),
-    (["--no_baselines"], "baselines", False),
-    (["--learnable-projections"], "learnable_projections", True),
+    (["--preset", "favor+", "--transfer_queries", "0"], "transfer_queries", None),
+    (["--preset", "window-only"], "rfa.feature_map", "none"),
+    (["--baselines"], "evaluates_window_only", True),
+    (["--baselines", "false"], "baselines", False),
+    (["--window_only_baseline"], "window_only_baseline", True),
+    (["--preset", "favor+", "--learnable-projections"], "learnable_projections", True),
     (["--copy-gaps", "5", "6"], "copy_gaps", [5, 6]),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_convert_flags(argv, attr, value):
@@ -117,12 +164,15 @@ def test_required_flags_and_choices(capsys):
     assert "invalid choice" in capsys.readouterr().err
     text = convert_parser().format_help()
     assert "{elu,favor+,favor++,hedgehog,none,positive,rfa,rff,t2r}" in text.replace("\n", "")
-    assert "(default: favor+)" in text and "(default: 256)" in text
+    flat = " ".join(text.split())
+    assert "(default: hedgehog)" in flat and "(default: 64)" in flat and "{recall,window-only,encoder,favor+,rfa}" in flat
 
 
 def test_training_flags():
     model, data, rfa, loop = _parse_training(TRAIN_CLASSES, [*TRAIN, "--rfa_seed", "3", "--seed", "5", "--rfa-layers", "0,1", "--num_features", "16"], (".json",))
-    assert rfa.rfa == RFAConfig(feature_map="favor+", num_features=16, window=256, sinks=4, seed=3, layers=[0, 1]) and loop.seed == 5
+    assert rfa.rfa == RFAConfig.from_preset("recall", num_features=16, seed=3, layers=[0, 1]) and loop.seed == 5
+    _, _, other, _ = _parse_training(TRAIN_CLASSES, [*TRAIN, "--preset", "favor+", "--window", "8"], (".json",))
+    assert other.rfa == RFAConfig.from_preset("favor+", window=8)
     assert rfa.redraw_interval is None  # not given: a converted checkpoint keeps its own
     _, _, soft, _ = _parse_training(TRAIN_CLASSES, [*TRAIN, "--feature_map", "softmax", "--redraw_interval", "4"], (".json",))
     assert soft.rfa is None and soft.is_softmax and soft.redraw_interval == 4
@@ -140,13 +190,16 @@ def test_training_json_config_file(tmp_path, monkeypatch):
     path.write_text(json.dumps(cfg))
     monkeypatch.setattr("sys.argv", ["train", str(path)])
     _, _, rfa, _ = _parse_training(TRAIN_CLASSES, None, (".json",))
-    assert rfa.rfa == RFAConfig(feature_map="hedgehog", num_features=8, layers=[1])
+    assert rfa.rfa == RFAConfig.from_preset("recall", num_features=8, window=0, sinks=0, layers=[1])
+    path.write_text(json.dumps({**cfg, "preset": "encoder"}))
+    _, _, enc, _ = _parse_training(TRAIN_CLASSES, None, (".json",))
+    assert enc.rfa == RFAConfig.from_preset("encoder", num_features=8, window=0, sinks=0, layers=[1])
 
 
 def test_flat_dict_round_trips_and_keeps_the_report_keys():
-    cfg = config_from_args([*BASE, "--feature-map", "hedgehog", "--layers", "1", "--seed", "3", "--no-baselines"])
+    cfg = config_from_args([*BASE, "--feature-map", "hedgehog", "--layers", "1", "--seed", "3"])
     flat = cfg.to_dict()
-    old_keys = {"model", "output", "feature_map", "num_features", "window", "sinks", "seed", "hybrid_mix", "learnable_projections",
+    old_keys = {"model", "output", "feature_map", "num_features", "window", "sinks", "seed", "learnable_projections",
                 "transfer_tokens", "lora_tokens", "eval_contexts", "baselines", "random_num_features", "push_to_hub"}
     assert old_keys <= set(flat) and "rfa" not in flat and flat["layers"] == [1]
     assert flags.from_flags(ConversionConfig, flat) == cfg
@@ -154,7 +207,7 @@ def test_flat_dict_round_trips_and_keeps_the_report_keys():
     argv = shlex.split(report.command_of(flat))[2:]
     again = config_from_args([*argv, "--calibration-text", "c", "--eval-text", "e"])
     assert again.rfa == cfg.rfa and again.baselines is False
-    odd = config_from_args([*BASE, "--feature-map", "rfa", "--gate", "--layers", "0,2", "--chunk-size", "16", "--backend", "torch",
+    odd = config_from_args([*BASE, "--preset", "rfa", "--gate", "--layers", "0,2", "--chunk-size", "16", "--backend", "torch",
                             "--no-checkpoint-blocks", "--redraw-interval", "5", "--feature-map-options", '{"x": 1}'])
     again = config_from_args([*shlex.split(report.command_of(odd.to_dict()))[2:], "--calibration-text", "c", "--eval-text", "e"])
     assert again.rfa == odd.rfa
@@ -166,7 +219,7 @@ def test_report_command_reproduces_every_field_a_run_set():
     cfg = config_from_args([*BASE, "--feature-map", "hedgehog", "--num-features", "32", "--decay", "128", "--feature-input", "unrotated",
                             "--memory-score", "feature_error", "--memory-after-training", "256", "--memory-every", "32",
                             "--encoder-pack-tokens", "512", "--encoder-max-length", "512", "--baseline-windows", "32", "64",
-                            "--copy-gaps", "512", "--train-autocast", "off", "--no-evaluate-before-transfer", "--no-hybrid-mix",
+                            "--copy-gaps", "512", "--train-autocast", "off", "--no-evaluate-before-transfer", "--feature-map-options", '{"hybrid_mix": false}',
                             "--transfer-schedule", "cosine", "--random-feature-map", "hedgehog", "--no-progress"])
     argv = shlex.split(report.command_of(cfg.to_dict()))[2:]
     again = config_from_args([*argv, "--calibration-text", "c", "--eval-text", "e"])

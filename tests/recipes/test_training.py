@@ -249,7 +249,7 @@ def _acc_args(assets, out, family="bert", **extra) -> list[str]:
         data = ["--task", "classification", "--train_file", assets["train_csv"], "--validation_file", assets["test_csv"]]
     else:
         data = ["--task", "causal-lm", "--train_file", assets["train_txt"], "--validation_file", assets["eval_txt"], "--max_seq_length", "16"]
-    args = ["--model_name_or_path", assets[family], *data, "--feature_map", "favor+", "--num_features", "16", "--window", "0", "--sinks", "0", "--redraw_interval", "2",
+    args = ["--model_name_or_path", assets[family], *data, "--preset", "favor+", "--num_features", "16", "--redraw_interval", "2",
             "--max_train_steps", "6", "--learning_rate", "1e-3", "--disable_tqdm", "true", "--output_dir", str(out), "--seed", "0"]
     for k, v in extra.items():
         args += [f"--{k}", str(v)]
@@ -414,3 +414,19 @@ def test_resume_with_dropout_is_exact(assets, tmp_path):
     _launch("train_accelerate.py", b, 1)
     resumed = _results(tmp_path / "b")
     assert _rel(resumed["losses"], full["losses"]) <= RESUME_LOSS_REL
+
+
+def test_finetune_trains_without_do_train(assets, tmp_path):
+    """``hf-rfa-finetune`` with neither --do_train nor --do_eval trains (TrainingArguments' do_train
+    defaults to False: the command once trained nothing, saved nothing and said nothing)."""
+    from hf_rfa import cli
+
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", assets["llama"], "--task", "causal-lm", "--train_file", assets["train_txt"], "--max_seq_length", "16",
+            "--preset", "recall", "--num_features", "8", "--window", "4", "--sinks", "1", "--decay", "16", "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1",
+            "--disable_tqdm", "true", "--output_dir", str(out)]
+    assert cli.finetune_command(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["train_loss"] > 0 and len(res["losses"]) == 2 and (out / "final" / "config.json").is_file()
+    assert hf_rfa.rfa_config_of(hf_rfa.from_pretrained(str(out / "final"), model_class=tf.AutoModelForCausalLM)).feature_input == "unrotated"

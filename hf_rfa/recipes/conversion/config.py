@@ -1,8 +1,10 @@
 """``ConversionConfig``: the settings of one conversion run (``hf-rfa-convert`` flags, same names).
 
 The model's attention settings are one :class:`~hf_rfa.config.RFAConfig` field (``rfa``, default:
-the recommended recipe :data:`hf_rfa.recipes.flags.RECIPE`); the other fields say what the
-workflow does around it: transfer and LoRA budgets, texts, evaluation, baselines, export.
+the attention of the default preset, ``recall``); the other fields say what the workflow does
+around it: transfer and LoRA budgets, texts, evaluation, baselines, export.
+:meth:`ConversionConfig.from_preset` is what the command builds: a preset's attention settings and
+training budgets (:mod:`hf_rfa.presets`) with the given fields on top.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ...config import RFAConfig
-from ..flags import FlagSpec, flat_dict, recipe_config
+from ...presets import DEFAULT_PRESET, get_preset
+from ..flags import FlagSpec, flat_dict, preset_config
 
 
 @dataclass
@@ -23,8 +26,7 @@ class ConversionConfig:
 
     model: str = field(metadata={"help": "Hub id (e.g. gpt2), local folder, .gguf file or converted folder"})
     output: str = field(default="out", metadata={"help": "folder to create (written to a temp dir, renamed at the end)"})
-    rfa: RFAConfig = field(default_factory=recipe_config, metadata={"help": "attention settings of the converted layers (seed: also of training and evaluation draws)"})
-    hybrid_mix: bool = field(default=True, metadata={"help": "hedgehog hybrids: learned per-head weight of features vs exact part"})
+    rfa: RFAConfig = field(default_factory=preset_config, metadata={"help": "attention settings of the converted layers (seed: also of training and evaluation draws)"})
     learnable_projections: bool = field(default=False, metadata={"help": "random-projection maps (favor+, positive, rff…): attention transfer trains the projections"})
     transfer_tokens: int = field(default=500_000, metadata={"help": "tokens of attention transfer (learned maps; 0: skip)"})
     lora_tokens: int = field(default=8192, metadata={"help": "tokens of the LoRA stage (causal LMs; 0: skip)"})
@@ -41,7 +43,7 @@ class ConversionConfig:
     eval_sentences: int = field(default=1000, metadata={"help": "encoders: held-out sentences for embedding cosine / accuracy"})
     encoder_max_length: int = field(default=128, metadata={"help": "encoders: texts (attention transfer, per-layer errors and evaluation) are truncated to this many tokens (at most the model's max_position_embeddings); the longer they are than the window, the more the features must carry"})
     encoder_pack_tokens: int = field(default=0, metadata={"help": "encoders without labels: join consecutive texts (lines) into passages of at least this many tokens before truncating to encoder_max_length, for calibration, training and evaluation alike (0: each text as it is)"})
-    window_only_baseline: bool = field(default=True, metadata={"help": "hybrids: also evaluate feature_map='none' (same window and sinks, every other key dropped) untrained and, for causal LMs, after its own LoRA with the same budget (encoders have no LoRA stage: the untrained row is the same budget)"})
+    window_only_baseline: bool = field(default=False, metadata={"help": "hybrids: also evaluate feature_map='none' (same window and sinks, every other key dropped) untrained and, for causal LMs, after its own LoRA with the same budget (encoders have no LoRA stage: the untrained row is the same budget)"})
     baseline_windows: list[int] = field(default_factory=list, metadata={"help": "more window-only baselines (feature_map='none', the recipe's sinks) at these windows — causal LMs: each after its own LoRA with the same budget, e.g. the window holding as many decode-state numbers as the recipe's window + feature state; encoders: untrained, e.g. the window costing what the recipe's window + features cost (empty: none)"})
     evaluate_before_transfer: bool = field(default=True, metadata={"help": "learned maps: also evaluate the converted model before attention transfer (its map is an untrained initialisation)"})
     copy_gaps: list[int] = field(default_factory=list, metadata={"help": "long range: copy task at these gaps, every variant (e.g. 512 3584; empty: skip)"})
@@ -57,8 +59,8 @@ class ConversionConfig:
     lora_lr: float = field(default=1e-3, metadata={"help": "learning rate of LoRA"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     train_autocast: str = field(default="auto", metadata={"help": "mixed precision of attention transfer and LoRA: auto (bf16 where it is faster: CUDA with bf16, CPUs with AMX / AVX-512 BF16; else float32), off, bf16"})
-    baselines: bool = field(default=True, metadata={"help": "also evaluate pure random features and the untrained random-feature hybrid"})
-    random_hybrid: bool = field(default=True, metadata={"help": "baselines include random features + window + sinks"})
+    baselines: bool = field(default=False, metadata={"help": "also evaluate every baseline: untrained pure random features (random_feature_map), for causal hybrids the untrained random-feature hybrid (random_hybrid), and the window-only baseline (window_only_baseline)"})
+    random_hybrid: bool = field(default=True, metadata={"help": "--baselines include random features + window + sinks"})
     eval_twin_max: int = field(default=2048, metadata={"help": "evaluate converted models up to this context through the training attention function (the op's autograd form; the name predates it: it was the quadratic twin); 0: never, always the inference form"})
     random_feature_map: str = field(default="favor+", metadata={"help": "feature map of the random-feature baselines"})
     random_num_features: int = field(default=256, metadata={"help": "features of the random-feature baselines"})
@@ -124,12 +126,22 @@ class ConversionConfig:
         """``rfa.seed``: projections, data order and evaluation draws."""
         return self.rfa.seed
 
+    @classmethod
+    def from_preset(cls, name: str = DEFAULT_PRESET, rfa: dict | None = None, **fields) -> "ConversionConfig":
+        """A preset's attention settings (``rfa`` overrides its ``RFAConfig`` fields) and training
+        budgets, with ``fields`` on top: the config ``hf-rfa-convert --preset NAME`` builds."""
+        preset = get_preset(name)
+        return cls(**{**dict(preset.training), **fields, "rfa": preset.config(**(rfa or {}))})
+
+    @property
+    def evaluates_window_only(self) -> bool:
+        """Whether the window-only baseline runs (``window_only_baseline`` or ``baselines``)."""
+        return self.window_only_baseline or self.baselines
+
     def rfa_config(self) -> RFAConfig:
-        """The converted layers' config: ``rfa`` plus the map options that ``hybrid_mix`` and
-        ``learnable_projections`` switch on."""
+        """The converted layers' config: ``rfa``, with ``learnable_projections`` switched on in its
+        map options (nothing else is added: ``RFAConfig.from_preset`` builds the same layers)."""
         options = dict(self.rfa.feature_map_options)
-        if self.hybrid_mix and self.rfa.feature_map == "hedgehog" and (self.rfa.window or self.rfa.sinks):
-            options["hybrid_mix"] = True
         if self.learnable_projections:
             options["learnable"] = True
         return replace(self.rfa, feature_map_options=options)

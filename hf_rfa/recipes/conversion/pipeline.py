@@ -2,7 +2,9 @@
 
 ``run(ConversionConfig(...))``:
 
-1. loads the checkpoint (:mod:`.loading`: Hub id, local folder, GGUF file, or a converted folder);
+1. checks the inputs (:mod:`.checks`: paths before anything is loaded, lengths and settings
+   against the loaded model before any stage) and loads the checkpoint (:mod:`.loading`: Hub id,
+   local folder, GGUF file, or a converted folder);
 2. runs the stages of its kind in order (:data:`.stages.STAGES`: original, baselines, convert,
    init mixing, per-layer errors, attention transfer, LoRA, window-only baseline, evaluation with
    the long-range tasks, metrics) over one shared :class:`.state.State`;
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from ... import output_dir
-from . import calibration, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
+from . import calibration, checks, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
 from .config import ConversionConfig
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER, kind_of, load_model, resolve_checkpoint
 from .stages import run_stages
@@ -65,6 +67,7 @@ def run(cfg: ConversionConfig) -> dict:
     output = Path(cfg.output).resolve()
     tmp = _tmp_dir(output, cfg.overwrite, (cfg.model, cfg.calibration_text, cfg.train_text, cfg.eval_text))
     try:
+        checks.check_inputs(cfg)
         report = _run(cfg, tmp, plot=report_plot)
         _publish(tmp, output)
     except BaseException:
@@ -108,7 +111,10 @@ def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
     """Load, run the stages, export into ``tmp`` with the reports; returns the report."""
     total = _Timer()
     model, tok, kind = load_model(cfg.model)
+    warnings = checks.check_model(cfg, model, kind)
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
+    if warnings:
+        report["warnings"] = warnings
     state = run_stages(State(cfg=cfg, model=model, tok=tok, kind=kind, report=report))
     _export(state, tmp, plot)
     report["minutes_total"] = total.minutes()

@@ -130,7 +130,7 @@ def window_only_baseline(s: State) -> None:
     fit: its untrained row is the baseline at the same budget."""
     cfg = s.cfg
     window, sinks = cfg.rfa.window, cfg.rfa.sinks
-    if not (cfg.window_only_baseline and (window or sinks) and cfg.rfa.feature_map != "none"):
+    if not (cfg.evaluates_window_only and (window or sinks) and cfg.rfa.feature_map != "none"):
         return
     memory = cfg.rfa.memory  # the baseline keeps any exact memory of the recipe
     convert(s.model, RFAConfig(feature_map="none", window=window, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
@@ -213,11 +213,12 @@ def evaluate_untrained(s: State) -> None:
         evaluate(s, s.final)
 
 
-def attention_transfer(s: State) -> None:
-    """Learned maps (or learnable projections): fit each layer's attention outputs to softmax's."""
+def train_transfer(s: State) -> dict | None:
+    """Attention transfer of the learned maps (or learnable projections), nothing evaluated; its
+    stage record (None: nothing to train). Shared by :func:`attention_transfer` and :func:`hf_rfa.linearize`."""
     cfg = s.cfg
     if not (_trainable(s) and cfg.transfer_tokens > 0):
-        return
+        return None
     res = transfer.attention_transfer(
         s.model, s.train_stream(), cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
         queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None, max_seconds=_max_seconds(cfg.transfer_minutes),
@@ -225,31 +226,54 @@ def attention_transfer(s: State) -> None:
         query_blocks=cfg.transfer_query_blocks if s.kind == CAUSAL_LM else 1,
     )
     s.stages["transfer"] = res.as_dict()
+    return s.stages["transfer"]
+
+
+def attention_transfer(s: State) -> None:
+    """Learned maps (or learnable projections): fit each layer's attention outputs to softmax's."""
+    stage = train_transfer(s)
+    if stage is None:
+        return
     s.layer_errors(f"{s.label}, after transfer")
     s.final = f"{s.label}, after attention transfer"
-    evaluate(s, s.final, res.as_dict())
+    evaluate(s, s.final, stage)
 
 
-def lora(s: State) -> None:
-    """Causal LMs: LoRA on the converted model (merged back); its row counts transfer's budget too."""
+def train_lora(s: State) -> dict | None:
+    """Causal LMs: LoRA on the converted model (merged back), nothing evaluated; its stage record
+    (None: no LoRA budget). Shared by :func:`lora` and :func:`hf_rfa.linearize`."""
     cfg = s.cfg
-    if cfg.lora_tokens <= 0:
-        return
+    if cfg.lora_tokens <= 0 or s.kind != CAUSAL_LM:
+        return None
     s.model, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
         max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
     )
-    stage = res.as_dict()
-    if "transfer" in s.stages:
-        t = s.stages["transfer"]
-        stage = {**stage, "tokens": stage["tokens"] + t["tokens"], "minutes": stage["minutes"] + t["minutes"]}
     s.stages["lora"] = res.as_dict()
-    s.final = f"{s.label}, after transfer + LoRA" if "transfer" in s.stages else f"{s.label}, after LoRA"
-    evaluate(s, s.final, stage, passkey=True)
-    if cfg.memory_after_training and s.kind == CAUSAL_LM:  # published with the exact memory (it has no parameters)
-        set_memory(s.model, cfg.memory_after_training, cfg.rfa.memory_every, cfg.rfa.memory_score)
-        s.final = f"{s.final} + memory {cfg.memory_after_training} ({cfg.rfa.memory_score})"
+    return s.stages["lora"]
+
+
+def add_memory(s: State) -> bool:
+    """Causal LMs with ``memory_after_training``: switch the exact memory on (it has no parameters)."""
+    cfg = s.cfg
+    if not (cfg.memory_after_training and s.kind == CAUSAL_LM):
+        return False
+    set_memory(s.model, cfg.memory_after_training, cfg.rfa.memory_every, cfg.rfa.memory_score)
+    return True
+
+
+def lora(s: State) -> None:
+    """Causal LMs: LoRA (its row counts transfer's budget too), then the exact memory after training."""
+    stage = train_lora(s)
+    if stage is not None:
+        if "transfer" in s.stages:
+            t = s.stages["transfer"]
+            stage = {**stage, "tokens": stage["tokens"] + t["tokens"], "minutes": stage["minutes"] + t["minutes"]}
+        s.final = f"{s.label}, after transfer + LoRA" if "transfer" in s.stages else f"{s.label}, after LoRA"
         evaluate(s, s.final, stage, passkey=True)
+    if add_memory(s):  # published with the exact memory
+        s.final = f"{s.final} + memory {s.cfg.memory_after_training} ({s.cfg.rfa.memory_score})"
+        evaluate(s, s.final, stage or s.stages.get("transfer"), passkey=True)
 
 
 # --------------------------------------------------------------------------- results

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ...config import RFAConfig
-from ..flags import FlagSpec, recipe_config
+from ..flags import FlagSpec, preset_config
 
 TASKS = ("causal-lm", "classification")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -53,7 +53,7 @@ class ModelArguments:
 @dataclass
 class RFAArguments:
     """How an original checkpoint is converted: one :class:`RFAConfig` (``rfa``; default: the
-    recommended recipe) or None (exact softmax, the baseline; ``--feature_map softmax``).
+    attention of the default preset, ``--preset`` on the command line) or None (exact softmax, the baseline; ``--feature_map softmax``).
 
     On the command line the ``RFAConfig`` fields are flags of their own (``--feature_map``,
     ``--num_features``, ...; its seed is ``--rfa_seed`` and its layers ``--rfa_layers 0,1``: the
@@ -63,7 +63,7 @@ class RFAArguments:
 
     CLI: ClassVar[FlagSpec] = FlagSpec(rename={"seed": "rfa_seed", "layers": "rfa_layers"}, skip=("redraw_interval",), none_value="softmax")
 
-    rfa: RFAConfig | None = field(default_factory=recipe_config, metadata={"help": "attention settings of the converted layers (None: exact softmax)"})
+    rfa: RFAConfig | None = field(default_factory=preset_config, metadata={"help": "attention settings of the converted layers (None: exact softmax)"})
     redraw_interval: int | None = field(default=None, metadata={"help": "redraw projections every N optimizer steps (0: never; default: a converted checkpoint's saved value, else 0)"})
 
     def __post_init__(self) -> None:

@@ -1,0 +1,109 @@
+"""Checks of a conversion's inputs before any stage runs: one ``ValueError`` line naming the flag,
+the bad value and the fix, instead of an ``IndexError`` or a refused conversion minutes later.
+
+:func:`check_inputs` runs before anything is loaded (texts and model paths); :func:`check_model`
+right after the checkpoint is loaded (lengths against the model's positions, settings the model's
+attention cannot take) and returns the warnings it logged (a window covering the whole context:
+exact softmax).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from torch import nn
+
+from .. import evaluation
+from .config import ConversionConfig
+from .loading import CAUSAL_LM
+
+logger = logging.getLogger(__name__)
+
+_TEXT_FORMS = "a local .txt/.csv/.tsv/.json/.jsonl/.parquet file, wikipedia:<split>, rotten_tomatoes:<split> or a Hub dataset name[:config]:split"
+#: passage length of the copy task (:func:`hf_rfa.recipes.long_range.copy_task`'s default, used by the pipeline)
+_COPY_PASSAGE = 256
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_inputs(cfg: ConversionConfig) -> None:
+    """Local paths named by ``cfg`` exist (Hub ids and dataset names are not checked here)."""
+    for name in ("calibration_text", "train_text", "eval_text"):
+        value = getattr(cfg, name)
+        if value and evaluation.looks_like_path(value) and not os.path.exists(os.path.expanduser(value)):
+            raise ValueError(f"{_flag(name)} {value!r}: no such file (give {_TEXT_FORMS})")
+    if evaluation.looks_like_path(cfg.model) and not os.path.exists(os.path.expanduser(cfg.model)):
+        raise ValueError(f"--model {cfg.model!r}: no such folder or file (give a local folder, a .gguf file or a Hub id such as 'org/name')")
+
+
+def _rotary(model: nn.Module) -> bool:
+    from ...hf.convert import find_attention_modules
+    from ...hf.rope import takes_position_embeddings
+
+    return any(takes_position_embeddings(m) for _, m, _ in find_attention_modules(model))
+
+
+def _bidirectional(model: nn.Module) -> bool:
+    from ...hf.convert import find_attention_modules
+
+    return any(getattr(m, "is_causal", True) is False for _, m, _ in find_attention_modules(model))
+
+
+def _lengths(cfg: ConversionConfig) -> dict[str, int]:
+    """The longest sequence each causal-LM flag feeds the model."""
+    out = {"--context": cfg.context, "--lora-context": cfg.lora_context or cfg.context, "--eval-contexts": max(cfg.eval_contexts)}
+    if cfg.passkey_lengths:
+        out["--passkey-lengths"] = max(cfg.passkey_lengths)
+    if cfg.copy_gaps:
+        out["--copy-gaps"] = max(cfg.copy_gaps) + 2 * _COPY_PASSAGE
+    return out
+
+
+def _positions(model: nn.Module) -> int | None:
+    c = model.config
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+def learned_positions(model: nn.Module) -> int | None:
+    """How many positions a model without rotary embeddings can read (None: rotary, or not recorded)."""
+    return None if _rotary(model) else _positions(model)
+
+
+def check_model(cfg: ConversionConfig, model: nn.Module, kind: str) -> list[str]:
+    """Refuse what the loaded model cannot run (``ValueError``); returns the warnings logged."""
+    target = cfg.rfa_config()
+    rotary = _rotary(model)
+    if target.feature_input == "unrotated" and not rotary:
+        fix = "--preset encoder" if kind != CAUSAL_LM else "--feature-input rotated"
+        raise ValueError(
+            f"--feature-input unrotated (preset recall's) needs rotary position embeddings, which {cfg.model} ({type(model).__name__}) "
+            f"does not have: use {fix}")
+    if kind != CAUSAL_LM and _bidirectional(model):
+        causal_only = [f for f, on in (("--decay", target.decay), ("--memory", target.memory), ("--memory-after-training", cfg.memory_after_training)) if on]
+        if causal_only:
+            raise ValueError(f"{', '.join(causal_only)} need causal attention, but {cfg.model} is a bidirectional {kind}: use --preset encoder (or set them to 0)")
+    warnings: list[str] = []
+    limit = _positions(model)
+    if kind == CAUSAL_LM:
+        for flag, n in _lengths(cfg).items():
+            if limit and n > limit:
+                if not rotary:
+                    raise ValueError(f"{flag} asks for {n} tokens but {cfg.model} has {limit} learned positions: use at most {limit} ({flag})")
+                warnings.append(f"{flag}: {n} tokens is beyond the {limit} positions {cfg.model} was trained on (rotary embeddings extrapolate; quality may drop)")
+        longest = cfg.context
+    else:
+        longest = cfg.encoder_max_length
+    if target.window and target.window >= longest:
+        what = "--context" if kind == CAUSAL_LM else "--encoder-max-length"
+        warnings.append(
+            f"--window {target.window} >= {what} {longest}: every key is inside the exact window, so training and evaluation up to "
+            f"{target.window} tokens run exact softmax attention (the features only serve longer sequences; the model card says so)")
+    for w in warnings:
+        logger.warning("%s", w)
+    return warnings
+
+
+__all__ = ["check_inputs", "check_model", "learned_positions"]
