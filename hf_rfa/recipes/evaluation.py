@@ -244,11 +244,13 @@ def sentence_embeddings(model: nn.Module, tokenizer, texts: list[str], batch_siz
     base = getattr(model, "base_model", model)
     out = []
     for ids, mask in tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="embeddings", disable=not progress, leave=False):
+        dev = next(model.parameters()).device
+        ids, mask = ids.to(dev), mask.to(dev)
         h = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         m = mask.unsqueeze(-1).float()
         e = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)
         out.append(torch.nn.functional.normalize(e, dim=-1))
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
 def embedding_cosine(reference: torch.Tensor, other: torch.Tensor) -> dict:
@@ -265,7 +267,8 @@ def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], b
     model.eval()
     correct = 0
     for i, (ids, mask) in enumerate(tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="accuracy", disable=not progress, leave=False)):
-        pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+        dev = next(model.parameters()).device
+        pred = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.argmax(-1).cpu()
         gold = torch.tensor(labels[i * batch_size : i * batch_size + len(pred)])
         correct += int((pred == gold).sum())
     return {"accuracy": correct / len(texts), "examples": len(texts)}

@@ -145,6 +145,12 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     index = {id(m): idx for _, m, idx in find_attention_modules(model)}
     if not index:
         raise ValueError(f"{type(model).__name__} has no attention module on transformers' attention interface")
+    from .devices import input_device
+
+    dev = input_device(model)
+    input_ids = input_ids.to(dev)
+    attention_mask = None if attention_mask is None else attention_mask.to(dev)
+    position_ids = None if position_ids is None else position_ids.to(dev)
     captures: dict[int, Captured] = {}
     _STORE.append({"index": index, "captures": captures})
     try:

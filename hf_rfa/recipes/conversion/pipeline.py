@@ -107,7 +107,9 @@ def plotting_available() -> bool:
 def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
     """Load, run the stages, export into ``tmp`` with the reports; returns the report."""
     total = _Timer()
-    model, tok, kind = load_model(cfg.model)
+    model, tok, kind = load_model(
+        cfg.model, cfg.torch_dtype, cfg.device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
+    )
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
     state = run_stages(State(cfg=cfg, model=model, tok=tok, kind=kind, report=report))
     _export(state, tmp, plot)

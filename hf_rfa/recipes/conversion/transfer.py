@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from . import precision
+from .devices import input_device, to_device
 from ...hf.loading import is_converted
 from .calibration import Captured, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
 from ...ops.backends import training_backend
@@ -112,15 +113,15 @@ def rfa_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def _regions(cap: Captured, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact, far) bool masks ``[B, 1, N, N]``: keys answered exactly / by the features."""
-    b, n = cap.q.shape[0], cap.k.shape[2]
-    t = torch.arange(n).view(-1, 1)
-    s = torch.arange(n).view(1, -1)
-    visible = (s <= t) if cap.causal else torch.ones(n, n, dtype=torch.bool)
+    b, n, dev = cap.q.shape[0], cap.k.shape[2], cap.q.device
+    t = torch.arange(n, device=dev).view(-1, 1)
+    s = torch.arange(n, device=dev).view(1, -1)
+    visible = (s <= t) if cap.causal else torch.ones(n, n, dtype=torch.bool, device=dev)
     visible = visible.view(1, 1, n, n)
     km = key_mask_bool(cap.mask, b, n, cap.q.device)
     if km is not None:
         visible = visible & km.view(b, 1, 1, n)
-    exact = torch.zeros(1, 1, n, n, dtype=torch.bool)
+    exact = torch.zeros(1, 1, n, n, dtype=torch.bool, device=dev)
     if window > 0:
         exact = (((s <= t) & (s > t - window)) if cap.causal else ((s - t).abs() < window)).view(1, 1, n, n)
     if sinks > 0:
@@ -160,7 +161,8 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
         if rate is not None:  # a decayed feature state: key s reaches query t with weight γ^(t−s)
             r = rate.detach().to(w.dtype).exp()
             r = r.expand(h) if r.numel() == 1 else r.repeat_interleave(h // r.numel())
-            dist = (torch.arange(n).view(-1, 1) - torch.arange(n).view(1, -1)).clamp_min(0).to(w.dtype)
+            pos = torch.arange(n, device=w.device)
+            dist = (pos.view(-1, 1) - pos.view(1, -1)).clamp_min(0).to(w.dtype)
             w = w * torch.exp(-r.view(1, h, 1, 1) * dist)
         feat = torch.log((w * far).sum(-1).clamp_min(1e-30))
         rows = far.any(-1)  # [B,H,N]
@@ -265,17 +267,18 @@ def attention_transfer(
     if max_position is not None and (isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1):
         raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
     model.eval()
-    device = next(model.parameters()).device
+    device = input_device(model)
     res.autocast = precision.dtype_name(autocast)
     try:
         for ids, mask in batches:
+            ids, mask = to_device(ids, device), to_device(mask, device)
             pos = None
             if max_position is not None:
                 n_ctx = ids.shape[-1]
                 if max_position < n_ctx:
                     raise ValueError(f"max_position ({max_position}) must be at least the context ({n_ctx})")
                 off = int(torch.randint(0, max_position - n_ctx + 1, (1,), generator=gen))
-                pos = (torch.arange(n_ctx) + off).expand(ids.shape[0], n_ctx)
+                pos = (torch.arange(n_ctx, device=device) + off).expand(ids.shape[0], n_ctx)
             with precision.autocast(device, autocast):
                 caps = capture(model, ids, mask, pos)
             if init_mix and res.steps == 0:
@@ -385,11 +388,12 @@ def lora_finetune(
     bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
     base = peft_model.get_base_model()
     peft_model.train()
-    device = next(base.parameters()).device
+    device = input_device(base)
     res.autocast = precision.dtype_name(autocast)
     try:
         with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
             for ids, mask in batches:
+                ids, mask = to_device(ids, device), to_device(mask, device)
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
                     loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss

@@ -1,0 +1,156 @@
+"""Where and in which precision a conversion runs: device, weight dtype, device map, teacher attention.
+
+``ConversionConfig`` fields (``hf-rfa-convert`` flags of the same names):
+
+- ``device``: ``cuda`` / ``cuda:N`` / ``cpu`` / ``mps`` (None: CUDA when available, else the CPU);
+- ``dtype``: ``float32`` (default), ``bfloat16`` or ``float16``: the dtype of the *frozen* weights.
+  The trainable tensors — feature maps, decay rates, hybrid mixing weights (``convert`` builds them
+  in float32) and the LoRA adapters (PEFT keeps adapters in float32) — stay float32: ordinary mixed
+  precision. With low-precision weights the training stages run under ``torch.autocast`` of the
+  device type in that dtype (:func:`training_autocast`); with float32 weights ``train_autocast``
+  decides as before (:mod:`.precision`);
+- ``device_map``: None (the whole model on ``device``) or ``auto`` (transformers / Accelerate place
+  the layers over every visible GPU, then the CPU, for a teacher / student that does not fit one device);
+- ``teacher_attn_implementation``: ``sdpa`` (default), ``eager`` or ``flash_attention_2`` (needs the
+  ``flash_attn`` package and a CUDA device): how the original model attends when it is evaluated.
+  The captures of attention transfer always use hf_rfa's exact attention.
+
+Every check raises a one-line ``ValueError`` naming the value and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+#: ``dtype`` names and their torch dtypes
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: allowed ``device_map`` values (None: one device)
+DEVICE_MAPS = ("auto",)
+#: allowed ``teacher_attn_implementation`` values
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+#: device types a conversion can run on
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def default_device() -> str:
+    """``cuda`` when a CUDA device is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(value: str | None) -> torch.device:
+    """The torch device for ``value`` (None or ``auto``: :func:`default_device`)."""
+    if value is None or value == "auto":
+        return torch.device(default_device())
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be one of {list(DEVICE_TYPES)} (optionally with ':N'), got {value!r}") from None
+    if dev.type not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {list(DEVICE_TYPES)} (optionally with ':N'), got {value!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={value!r}, but no CUDA device is visible (allowed here: 'cpu')")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={value!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"device={value!r}, but MPS is not available (allowed here: 'cpu')")
+    return dev
+
+
+def check_dtype(value: str) -> torch.dtype:
+    """The torch dtype named ``value`` (one of :data:`DTYPES`)."""
+    if value not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {value!r}")
+    return DTYPES[value]
+
+
+def check_device_map(value: str | None) -> str | None:
+    if value is not None and value not in DEVICE_MAPS:
+        raise ValueError(f"device_map must be None or one of {list(DEVICE_MAPS)}, got {value!r}")
+    return value
+
+
+def flash_attention_available() -> bool:
+    """Whether ``flash_attn`` is installed and a CUDA device is visible."""
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
+def check_attn_implementation(value: str, device: torch.device | None = None) -> str:
+    """``value`` if it is one of :data:`ATTN_IMPLEMENTATIONS` and usable here."""
+    if value not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"teacher_attn_implementation must be one of {list(ATTN_IMPLEMENTATIONS)}, got {value!r}")
+    if value == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("teacher_attn_implementation='flash_attention_2' needs the flash_attn package (pip install flash-attn); allowed without it: 'sdpa', 'eager'")
+        if device is not None and device.type != "cuda":
+            raise ValueError(f"teacher_attn_implementation='flash_attention_2' needs a CUDA device, got device={str(device)!r}; allowed there: 'sdpa', 'eager'")
+    return value
+
+
+def load_kwargs(dtype: torch.dtype, device: torch.device, device_map: str | None) -> dict[str, Any]:
+    """``from_pretrained`` keywords: the weight dtype and, with a device map, where the layers go.
+
+    Without a device map the model is loaded on the CPU and moved with :func:`place` (today's CPU
+    path: no ``device_map`` keyword at all)."""
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    elif device.type != "cpu":
+        kwargs["device_map"] = {"": str(device)}  # straight onto the device, no full CPU copy first
+    return kwargs
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: its input embedding's device (the first stage of a device map)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        return emb.weight.device
+    return next(model.parameters()).device
+
+
+def to_device(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``x`` on ``device`` (None stays None; no copy when it is already there)."""
+    return None if x is None else x.to(device, non_blocking=True)
+
+
+def keep_trainable_float32(model: nn.Module) -> int:
+    """Cast every converted layer's tensors (feature maps, decay, mix) to float32; returns how many
+    were cast (0 when they already were: ``convert`` builds them in float32)."""
+    from .calibration import rfa_layers
+
+    n = 0
+    for rfa in rfa_layers(model).values():
+        for t in list(rfa.parameters()) + list(rfa.buffers()):
+            if t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+                n += 1
+    return n
+
+
+def training_autocast(train_autocast: str, device: torch.device, weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The autocast dtype of the training stages: the weights' dtype when it is bfloat16 / float16
+    (mixed precision: float32 trainables, low-precision compute), else ``train_autocast``'s choice."""
+    from .precision import resolve_autocast
+
+    if weight_dtype in (torch.bfloat16, torch.float16):
+        return weight_dtype
+    return resolve_autocast(train_autocast, device)
+
+
+def weight_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's frozen weights (its input embedding's)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        return emb.weight.dtype
+    return next(model.parameters()).dtype
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS", "DEVICE_MAPS", "DEVICE_TYPES", "DTYPES", "check_attn_implementation", "check_device", "check_device_map",
+    "check_dtype", "default_device", "flash_attention_available", "input_device", "keep_trainable_float32", "load_kwargs", "to_device",
+    "training_autocast", "weight_dtype",
+]
