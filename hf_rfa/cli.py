@@ -72,8 +72,20 @@ def config_from_args(argv: list[str] | None = None) -> "ConversionConfig":
     from .recipes import flags
     from .recipes.conversion.config import ConversionConfig
 
+    argv = _dry_run_defaults(list(sys.argv[1:] if argv is None else argv))
     (view,) = convert_parser().parse_args_into_dataclasses(args=argv)
     return flags.from_flags(ConversionConfig, view)
+
+
+DRY_RUN_UNUSED = ("--output", "--calibration-text", "--eval-text")
+
+
+def _dry_run_defaults(argv: list[str]) -> list[str]:
+    """``--dry-run`` reads only the model's config: the texts and the output folder may be left out."""
+    if not any(a in ("--dry-run", "--dry_run") for a in argv):
+        return argv
+    given = {a.replace("_", "-").split("=")[0] for a in argv if a.startswith("--")}
+    return argv + [x for flag in DRY_RUN_UNUSED if flag not in given for x in (flag, "unused-in-dry-run")]
 
 
 def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the temp folder is removed
@@ -88,7 +100,14 @@ def convert_main(argv: list[str] | None = None) -> dict:
         signal.signal(signal.SIGTERM, _interrupt)
     from .recipes.conversion.pipeline import rows_markdown, run
 
-    report = run(config_from_args(argv))
+    cfg = config_from_args(argv)
+    if cfg.dry_run:
+        from .recipes.conversion.memory_plan import plan
+
+        p = plan(cfg)
+        print(p.markdown())
+        return {"dry_run": True, "peak_bytes": p.peak, "parts": p.parts, "decode": p.decode}
+    report = run(cfg)
     print(rows_markdown(report["rows"]))
     if "generation" in report:
         print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")

@@ -7,8 +7,10 @@
   The trainable tensors — feature maps, decay rates, hybrid mixing weights (``convert`` builds them
   in float32) and the LoRA adapters (PEFT keeps adapters in float32) — stay float32: ordinary mixed
   precision. With low-precision weights the training stages run under ``torch.autocast`` of the
-  device type in that dtype (:func:`training_autocast`); with float32 weights ``train_autocast``
-  decides as before (:mod:`.precision`);
+  device type in that dtype (:func:`training_autocast`) — except on a CPU without bf16 matrix
+  hardware, where a bf16 matmul is emulated and many times slower: there the weights stay stored in
+  low precision and every linear layer multiplies in float32 (:func:`float32_compute`). With float32
+  weights ``train_autocast`` decides as before (:mod:`.precision`);
 - ``device_map``: None (the whole model on ``device``) or ``auto`` (transformers / Accelerate place
   the layers over every visible GPU, then the CPU, for a teacher / student that does not fit one device);
 - ``teacher_attn_implementation``: ``sdpa`` (default), ``eager`` or ``flash_attention_2`` (needs the
@@ -137,7 +139,7 @@ def training_autocast(train_autocast: str, device: torch.device, weight_dtype: t
     from .precision import resolve_autocast
 
     if weight_dtype in (torch.bfloat16, torch.float16):
-        return weight_dtype
+        return None if needs_float32_compute(device, weight_dtype) else weight_dtype
     return resolve_autocast(train_autocast, device)
 
 
@@ -151,6 +153,54 @@ def weight_dtype(model: nn.Module) -> torch.dtype:
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "DEVICE_MAPS", "DEVICE_TYPES", "DTYPES", "check_attn_implementation", "check_device", "check_device_map",
-    "check_dtype", "default_device", "flash_attention_available", "input_device", "keep_trainable_float32", "load_kwargs", "to_device",
+    "Float32ComputeLinear", "check_dtype", "default_device", "float32_compute", "needs_float32_compute", "flash_attention_available", "input_device", "keep_trainable_float32", "load_kwargs", "to_device",
     "training_autocast", "weight_dtype",
 ]
+
+
+# --------------------------------------------------------------------------- low-precision storage, float32 compute
+class _StoredLinear(torch.autograd.Function):
+    """``x @ w.float()ᵀ + b`` that saves the low-precision ``w`` (not its float32 copy) for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        ctx.input_dtype = x.dtype
+        out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return (grad @ weight.float()).to(ctx.input_dtype), None, None  # frozen weight and bias: no gradient
+
+
+class Float32ComputeLinear(nn.Linear):
+    """An ``nn.Linear`` whose frozen low-precision weight is multiplied in float32 (one layer's
+    float32 copy at a time, none kept for the backward): what a CPU without bf16 matrix hardware
+    runs, where a bf16 matmul is emulated and many times slower than float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return super().forward(x)
+        if self.weight.requires_grad:
+            raise ValueError("Float32ComputeLinear holds frozen weights only (this one requires grad)")
+        return _StoredLinear.apply(x, self.weight, self.bias)
+
+
+def float32_compute(model: nn.Module) -> int:
+    """Make every frozen low-precision ``nn.Linear`` of ``model`` compute in float32
+    (:class:`Float32ComputeLinear`, same weights and state dict); returns how many were switched."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.weight.dtype in (torch.bfloat16, torch.float16):
+            m.__class__ = Float32ComputeLinear
+            n += 1
+    return n
+
+
+def needs_float32_compute(device: torch.device, dtype: torch.dtype) -> bool:
+    """Low-precision weights on a CPU without bf16 matrix hardware: compute in float32."""
+    from .precision import cpu_has_fast_bf16
+
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_has_fast_bf16()

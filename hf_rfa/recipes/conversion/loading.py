@@ -81,6 +81,8 @@ def load_model(
         model = from_pretrained(path, **kwargs)
     else:
         model = cls.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+    if devices.needs_float32_compute(devices.input_device(model), dtype):
+        devices.float32_compute(model)  # bf16 storage, float32 matmuls (no bf16 matrix hardware here)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -107,6 +107,10 @@ def plotting_available() -> bool:
 def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
     """Load, run the stages, export into ``tmp`` with the reports; returns the report."""
     total = _Timer()
+    if cfg.memory_check:
+        from .memory_plan import check_before_loading
+
+        check_before_loading(cfg)  # refuses at once a run that would not fit the device
     model, tok, kind = load_model(
         cfg.model, cfg.torch_dtype, cfg.device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
     )
