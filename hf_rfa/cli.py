@@ -94,8 +94,10 @@ def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the temp folde
 
 def convert_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-convert`` / ``conversion/convert.py``: run one conversion, print the result table."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    _log_info()
+    main_process = os.environ.get("RANK", "0") == "0"  # under `accelerate launch`: one report, from the main process
+    level = logging.INFO if main_process else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    _log_info(level)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     from .recipes.conversion.pipeline import rows_markdown, run
@@ -107,7 +109,12 @@ def convert_main(argv: list[str] | None = None) -> dict:
         p = plan(cfg)
         print(p.markdown())
         return {"dry_run": True, "peak_bytes": p.peak, "parts": p.parts, "decode": p.decode}
-    report = run(cfg)
+    try:
+        report = run(cfg)
+    finally:
+        _end_process_group()
+    if not main_process:
+        return report
     print(rows_markdown(report["rows"]))
     if "generation" in report:
         print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")

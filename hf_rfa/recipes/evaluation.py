@@ -195,14 +195,19 @@ def perplexity(
 
     count = None if max_tokens is None else max(1, max_tokens // context)
     windows = token_windows(ids, context, count)
+    from .conversion import distributed
+
     model.eval()
-    nll, n = 0.0, 0
     kwargs = {"use_cache": False}
-    for w in tqdm(windows, desc=f"{desc} @{context}", disable=not progress, leave=False):
-        x = w.unsqueeze(0).to(next(model.parameters()).device)
+    local: dict[int, tuple[float, int]] = {}  # under several processes: this one's windows, gathered below
+    for i in tqdm(distributed.window_indices(len(windows)), desc=f"{desc} @{context}", disable=not progress, leave=False):
+        x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
         logits = model(input_ids=x, **kwargs).logits[0, :-1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-        n += x.shape[1] - 1
+        local[i] = (float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum")), x.shape[1] - 1)
+    nll, n = 0.0, 0
+    for s, k in distributed.gather_window_sums(local, len(windows)):  # added in window order: the same sum on 1 or N processes
+        nll += s
+        n += k
     return {"perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context}
 
 

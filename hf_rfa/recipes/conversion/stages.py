@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .. import evaluation
-from . import calibration, devices, transfer
+from . import calibration, devices, layerwise, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
@@ -220,12 +220,15 @@ def attention_transfer(s: State) -> None:
     cfg = s.cfg
     if not (_trainable(s) and cfg.transfer_tokens > 0):
         return
-    res = transfer.attention_transfer(
-        s.model, s.train_stream(), cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
-        queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None, max_seconds=_max_seconds(cfg.transfer_minutes),
-        autocast=_autocast(s), schedule=cfg.transfer_schedule,
+    kwargs = dict(
+        lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress, queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None,
+        max_seconds=_max_seconds(cfg.transfer_minutes), autocast=_autocast(s), schedule=cfg.transfer_schedule,
         query_blocks=cfg.transfer_query_blocks if s.kind == CAUSAL_LM else 1,
     )
+    if cfg.transfer_layerwise:  # one layer's captures at a time (:mod:`.layerwise`)
+        res = layerwise.attention_transfer_layerwise(s.model, s.train_stream, cfg.transfer_tokens, **kwargs)
+    else:
+        res = transfer.attention_transfer(s.model, s.train_stream(), cfg.transfer_tokens, **kwargs)
     s.stages["transfer"] = res.as_dict()
     s.layer_errors(f"{s.label}, after transfer")
     s.final = f"{s.label}, after attention transfer"
