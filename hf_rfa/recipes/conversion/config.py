@@ -117,7 +117,7 @@ class ConversionConfig:
         devices.check_device_map(self.device_map)
         devices.check_attn_implementation(self.teacher_attn_implementation)
         if self.device is not None:
-            devices.check_device(self.device)
+            devices.check_device(self.device, available=not self.dry_run)
         from .precision import check_autocast
 
         check_autocast(self.train_autocast)

@@ -43,8 +43,9 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_device(value: str | None) -> torch.device:
-    """The torch device for ``value`` (None or ``auto``: :func:`default_device`)."""
+def check_device(value: str | None, available: bool = True) -> torch.device:
+    """The torch device for ``value`` (None or ``auto``: :func:`default_device`); ``available=False``
+    accepts a device this machine lacks (a ``--dry-run`` plans for a GPU it does not have)."""
     if value is None or value == "auto":
         return torch.device(default_device())
     try:
@@ -53,6 +54,8 @@ def check_device(value: str | None) -> torch.device:
         raise ValueError(f"device must be one of {list(DEVICE_TYPES)} (optionally with ':N'), got {value!r}") from None
     if dev.type not in DEVICE_TYPES:
         raise ValueError(f"device must be one of {list(DEVICE_TYPES)} (optionally with ':N'), got {value!r}")
+    if not available:
+        return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={value!r}, but no CUDA device is visible (allowed here: 'cpu')")

@@ -159,15 +159,18 @@ def _lora_params(model: nn.Module, r: int) -> int:
 # --------------------------------------------------------------------------- the plan
 def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` per process (see the module docstring). ``processes``: default
-    ``WORLD_SIZE`` (1); ``sharding``: ``ddp`` (every process a full copy), ``fsdp`` (weights split),
-    default from ``ACCELERATE_USE_FSDP``; ``runtime_bytes``: the process's own memory (default:
+    ``WORLD_SIZE`` (1); ``sharding``: ``ddp`` (every process a full copy: what the conversion does
+    under ``accelerate launch``, :mod:`.distributed`) or ``fsdp`` (weights split over the processes,
+    as the training recipes do with ``training/configs/fsdp_*.yaml``); ``runtime_bytes``: the process's own memory (default:
     its resident memory now on the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA)."""
     from . import devices
     from .calibration import rfa_layers
 
     processes = int(processes or os.environ.get("WORLD_SIZE", "1"))
-    sharding = sharding or ("fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") else ("ddp" if processes > 1 else "none"))
-    device = devices.check_device(cfg.device)
+    sharding = sharding or ("ddp" if processes > 1 else "none")
+    if sharding not in ("none", "ddp", "fsdp"):
+        raise ValueError(f"sharding must be one of ['none', 'ddp', 'fsdp'], got {sharding!r}")
+    device = devices.check_device(cfg.device, available=not cfg.dry_run)
     wdtype = cfg.torch_dtype
     wb = torch.finfo(wdtype).bits // 8
     act_dtype = devices.training_autocast(cfg.train_autocast, device, wdtype) or torch.float32
