@@ -107,7 +107,8 @@ def convert_main(argv: list[str] | None = None) -> dict:
         from .recipes.conversion.memory_plan import plan
 
         p = plan(cfg)
-        print(p.markdown())
+        if main_process:
+            print(p.markdown())
         return {"dry_run": True, "peak_bytes": p.peak, "parts": p.parts, "decode": p.decode}
     try:
         report = run(cfg)
