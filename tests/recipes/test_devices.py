@@ -180,3 +180,16 @@ def test_float32_compute_linear_matches_upcast_and_keeps_bf16_storage():
     with pytest.raises(ValueError, match="frozen"):
         lin.weight.requires_grad_(True)
         lin(x)
+
+
+def test_device_map_auto_loads_and_trains(tiny):
+    """--device-map auto (on a machine without GPUs every layer lands on the CPU): the model loads
+    through Accelerate's placement, converts and trains its maps."""
+    model, _, _ = load_model(tiny["llama"], torch.float32, device_map="auto")
+    ref, _, _ = load_model(tiny["llama"])
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+    hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+    res = transfer.attention_transfer(model, iter([(ids, None)]), 24, progress=False)
+    assert res.steps == 1 and res.losses[0] > 0
