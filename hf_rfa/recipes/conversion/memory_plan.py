@@ -230,6 +230,8 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, weights) -> dict[str, int]:
 def _eval(cfg, g, ab) -> dict[str, int]:
     n = max(cfg.eval_contexts)
     logits = n * g["V"] * (ab + 2 * 4)  # logits and the float32 copy of the loss
+    if cfg.passkey_lengths:  # passkey trials run 4 prompts at once (their logits, no loss)
+        logits = max(logits, 4 * max(cfg.passkey_lengths) * g["V"] * ab)
     layer = n * (g["h"] * 4 + g["I"] * 3) * ab + g["H"] * min(n, 1024) * n * 4
     return {"activations": logits + layer}
 
