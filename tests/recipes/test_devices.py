@@ -177,9 +177,11 @@ def test_float32_compute_linear_matches_upcast_and_keeps_bf16_storage():
     torch.nn.functional.linear(x2, ref_w, ref_b).backward(g)
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
     assert lin.weight.grad is None
-    with pytest.raises(ValueError, match="frozen"):
-        lin.weight.requires_grad_(True)
-        lin(x)
+    lin.weight.requires_grad_(True)  # a trainable weight gets its gradient through the upcast
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, ref_w, ref_b), rtol=0, atol=0)
 
 
 def test_device_map_auto_loads_and_trains(tiny):

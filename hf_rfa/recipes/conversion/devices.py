@@ -179,15 +179,17 @@ class _StoredLinear(torch.autograd.Function):
 
 
 class Float32ComputeLinear(nn.Linear):
-    """An ``nn.Linear`` whose frozen low-precision weight is multiplied in float32 (one layer's
-    float32 copy at a time, none kept for the backward): what a CPU without bf16 matrix hardware
-    runs, where a bf16 matmul is emulated and many times slower than float32."""
+    """An ``nn.Linear`` whose low-precision weight is multiplied in float32: what a CPU without bf16
+    matrix hardware runs, where a bf16 matmul is emulated and many times slower than float32. A
+    frozen weight (or no autograd) keeps no float32 copy for the backward (one layer's copy at a
+    time); a weight that requires grad gets its gradient through the upcast as usual."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
             return super().forward(x)
-        if self.weight.requires_grad:
-            raise ValueError("Float32ComputeLinear holds frozen weights only (this one requires grad)")
+        if torch.is_grad_enabled() and (self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+            # a weight that trains: plain autograd through the upcast (its float32 copy is kept for the backward)
+            return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return _StoredLinear.apply(x, self.weight, self.bias)
 
 
