@@ -203,7 +203,7 @@ def perplexity(
     for i in tqdm(distributed.window_indices(len(windows)), desc=f"{desc} @{context}", disable=not progress, leave=False):
         x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
         logits = model(input_ids=x, **kwargs).logits[0, :-1].float()
-        local[i] = (float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum")), x.shape[1] - 1)
+        local[i] = (float(torch.nn.functional.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="sum")), x.shape[1] - 1)
     nll, n = 0.0, 0
     for s, k in distributed.gather_window_sums(local, len(windows)):  # added in window order: the same sum on 1 or N processes
         nll += s
