@@ -95,9 +95,20 @@ def config_from_args(argv: list[str] | None = None) -> "ConversionConfig":
     from .recipes import flags
     from .recipes.conversion.config import ConversionConfig
 
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _dry_run_defaults(list(sys.argv[1:] if argv is None else argv))
     (view,) = convert_parser(flags.preset_of(argv)).parse_args_into_dataclasses(args=argv)
     return flags.from_flags(ConversionConfig, view)
+
+
+DRY_RUN_UNUSED = ("--output", "--calibration-text", "--eval-text")
+
+
+def _dry_run_defaults(argv: list[str]) -> list[str]:
+    """``--dry-run`` reads only the model's config: the texts and the output folder may be left out."""
+    if not any(a in ("--dry-run", "--dry_run") for a in argv):
+        return argv
+    given = {a.replace("_", "-").split("=")[0] for a in argv if a.startswith("--")}
+    return argv + [x for flag in DRY_RUN_UNUSED if flag not in given for x in (flag, "unused-in-dry-run")]
 
 
 def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the temp folder is removed
@@ -106,13 +117,28 @@ def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the temp folde
 
 def convert_main(argv: list[str] | None = None) -> dict:
     """``hf-rfa-convert`` / ``conversion/convert.py``: run one conversion, print the result table."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    _log_info()
+    main_process = os.environ.get("RANK", "0") == "0"  # under `accelerate launch`: one report, from the main process
+    level = logging.INFO if main_process else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    _log_info(level)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     from .recipes.conversion.pipeline import rows_markdown, run
 
-    report = run(config_from_args(argv))
+    cfg = config_from_args(argv)
+    if cfg.dry_run:
+        from .recipes.conversion.memory_plan import plan
+
+        p = plan(cfg)
+        if main_process:
+            print(p.markdown())
+        return {"dry_run": True, "peak_bytes": p.peak, "parts": p.parts, "decode": p.decode}
+    try:
+        report = run(cfg)
+    finally:
+        _end_process_group()
+    if not main_process:
+        return report
     print(rows_markdown(report["rows"]))
     if "generation" in report:
         print(f"\ngeneration ({report['generation']['prompt']!r}): {report['generation']['text']!r}")

@@ -25,3 +25,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture
 def rel_err():
     return rel
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped where no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -195,14 +195,19 @@ def perplexity(
 
     count = None if max_tokens is None else max(1, max_tokens // context)
     windows = token_windows(ids, context, count)
+    from .conversion import distributed
+
     model.eval()
-    nll, n = 0.0, 0
     kwargs = {"use_cache": False}
-    for w in tqdm(windows, desc=f"{desc} @{context}", disable=not progress, leave=False):
-        x = w.unsqueeze(0).to(next(model.parameters()).device)
+    local: dict[int, tuple[float, int]] = {}  # under several processes: this one's windows, gathered below
+    for i in tqdm(distributed.window_indices(len(windows)), desc=f"{desc} @{context}", disable=not progress, leave=False):
+        x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
         logits = model(input_ids=x, **kwargs).logits[0, :-1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-        n += x.shape[1] - 1
+        local[i] = (float(torch.nn.functional.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="sum")), x.shape[1] - 1)
+    nll, n = 0.0, 0
+    for s, k in distributed.gather_window_sums(local, len(windows)):  # added in window order: the same sum on 1 or N processes
+        nll += s
+        n += k
     return {"perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context}
 
 
@@ -244,11 +249,13 @@ def sentence_embeddings(model: nn.Module, tokenizer, texts: list[str], batch_siz
     base = getattr(model, "base_model", model)
     out = []
     for ids, mask in tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="embeddings", disable=not progress, leave=False):
+        dev = next(model.parameters()).device
+        ids, mask = ids.to(dev), mask.to(dev)
         h = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         m = mask.unsqueeze(-1).float()
         e = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)
         out.append(torch.nn.functional.normalize(e, dim=-1))
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
 def embedding_cosine(reference: torch.Tensor, other: torch.Tensor) -> dict:
@@ -265,7 +272,8 @@ def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], b
     model.eval()
     correct = 0
     for i, (ids, mask) in enumerate(tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="accuracy", disable=not progress, leave=False)):
-        pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+        dev = next(model.parameters()).device
+        pred = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.argmax(-1).cpu()
         gold = torch.tensor(labels[i * batch_size : i * batch_size + len(pred)])
         correct += int((pred == gold).sum())
     return {"accuracy": correct / len(texts), "examples": len(texts)}

@@ -85,7 +85,7 @@ def copy_task(
     for i in tqdm(range(0, draws, batch_size), desc=f"copy gap {gap}", disable=not progress, leave=False):
         x = seqs[i : i + batch_size].to(_device(model))
         logp = torch.log_softmax(model(input_ids=x, use_cache=False).logits[:, :-1].float(), -1)
-        nll = -logp.gather(-1, x[:, 1:, None])[..., 0]  # [b, L-1]: nll[t] predicts token t+1
+        nll = -logp.gather(-1, x[:, 1:, None].to(logp.device))[..., 0]  # [b, L-1]: nll[t] predicts token t+1 (logits: the last device of a device map)
         a = slice(skip - 1, passage - 1)  # predicting tokens skip..passage-1 of the first copy
         s0 = passage + gap
         b = slice(s0 + skip - 1, s0 + passage - 1)

@@ -99,6 +99,11 @@ def _unrotated(module, rfa, query, key):
 _STORE: list[dict] = []  # stack of {id(module): (layer_idx, captures dict)}
 
 
+class _Captured(Exception):
+    """Raised by the capturing attention once the last wanted layer is captured: the rest of the
+    forward is not needed (``capture(..., layers=...)``)."""
+
+
 def _capture_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     causal = kwargs.pop("is_causal", None)
     if causal is None:
@@ -111,6 +116,8 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
         if idx is not None:
             fq, fk = _unrotated(module, getattr(module, "rfa", None), query.detach(), key.detach())
             captures[idx] = Captured(query.detach(), key.detach(), value.detach(), out.detach(), mask2d, bool(causal), scaling, fq, fk)
+            if _STORE[-1].get("stop") == idx:
+                raise _Captured
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -135,25 +142,38 @@ def attn_implementation(model: nn.Module, name: str) -> Iterator[None]:
 
 
 @torch.no_grad()
-def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict[int, Captured]:
+def capture(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+    layers: set[int] | None = None,
+) -> dict[int, Captured]:
     """One softmax forward of ``model``; returns ``{layer_idx: Captured}`` for every attention layer.
 
     ``input_ids [B, N]``; ``attention_mask [B, N]`` (1 = real token) or None; ``position_ids
-    [B, N]`` or None (the model's default positions).
+    [B, N]`` or None (the model's default positions); ``layers``: capture only these layer indices
+    (the forward stops after the last of them: layer-by-layer transfer holds one layer's tensors).
     """
     register_capture()
-    index = {id(m): idx for _, m, idx in find_attention_modules(model)}
+    index = {id(m): idx for _, m, idx in find_attention_modules(model) if layers is None or idx in layers}
     if not index:
-        raise ValueError(f"{type(model).__name__} has no attention module on transformers' attention interface")
+        raise ValueError(f"{type(model).__name__} has no attention module on transformers' attention interface" + (f" among layers {sorted(layers)}" if layers is not None else ""))
+    from .devices import input_device
+
+    dev = input_device(model)
+    input_ids = input_ids.to(dev)
+    attention_mask = None if attention_mask is None else attention_mask.to(dev)
+    position_ids = None if position_ids is None else position_ids.to(dev)
     captures: dict[int, Captured] = {}
-    _STORE.append({"index": index, "captures": captures})
+    _STORE.append({"index": index, "captures": captures, "stop": max(index.values()) if layers is not None else None})
     try:
         with attn_implementation(model, CAPTURE_NAME):
             base = getattr(model, "base_model", model)  # no LM head: logits are not needed
             kwargs = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
             if position_ids is not None:
                 kwargs["position_ids"] = position_ids
-            base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            try:
+                base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            except _Captured:
+                pass
     finally:
         _STORE.pop()
     return captures

@@ -70,6 +70,13 @@ class ConversionConfig:
     base_model: str | None = field(default=None, metadata={"help": "Hub id the model was converted from, for the model card (None: model, when it is a Hub id)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder written by hf_rfa"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
+    device: str | None = field(default=None, metadata={"help": "where the conversion runs: cuda, cuda:N, cpu, mps (None: cuda when available, else cpu)"})
+    dtype: str = field(default="float32", metadata={"help": "dtype of the frozen weights: float32, bfloat16 or float16 (feature maps, decay rates and LoRA stay float32; low-precision weights train under autocast of the device type)"})
+    device_map: str | None = field(default=None, metadata={"help": "auto: spread a teacher/student that does not fit one device over every visible device (transformers/Accelerate device_map); None: all on --device"})
+    teacher_attn_implementation: str = field(default="sdpa", metadata={"help": "attention of the original model: sdpa, eager or flash_attention_2 (needs flash_attn and CUDA)"})
+    transfer_layerwise: bool = field(default=False, metadata={"help": "attention transfer one decoder layer at a time: the teacher's q/k/v of that layer only are held, each layer trained on the whole transfer budget (activation memory of one layer; the same result as all layers at once)"})
+    dry_run: bool = field(default=False, metadata={"help": "print the memory plan (weights, gradients, optimizer, activations, decode cache) from the model's config on the meta device and exit: nothing is loaded"})
+    memory_check: bool = field(default=True, metadata={"help": "before loading, refuse a run whose memory plan does not fit the device (free GPU memory / available RAM)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.rfa, RFAConfig):
@@ -106,6 +113,13 @@ class ConversionConfig:
         for name in ("eval_tokens", "transfer_queries", "lora_context"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1, "None or ")
+        from . import devices
+
+        devices.check_dtype(self.dtype)
+        devices.check_device_map(self.device_map)
+        devices.check_attn_implementation(self.teacher_attn_implementation)
+        if self.device is not None:
+            devices.check_device(self.device, available=not self.dry_run)
         from .precision import check_autocast
 
         check_autocast(self.train_autocast)
@@ -145,6 +159,13 @@ class ConversionConfig:
         if self.learnable_projections:
             options["learnable"] = True
         return replace(self.rfa, feature_map_options=options)
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a torch dtype."""
+        from .devices import check_dtype
+
+        return check_dtype(self.dtype)
 
     def to_dict(self) -> dict:
         """Flat: the ``rfa`` fields next to the others (``report.json``'s ``config``, keys as before)."""

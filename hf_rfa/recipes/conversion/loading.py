@@ -53,21 +53,36 @@ def _content_key(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any, str]:
-    """``(model, tokenizer, kind)``; a folder whose config has ``rfa_config`` loads converted."""
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = "cpu", device_map: str | None = None,
+    attn_implementation: str = "sdpa",
+) -> tuple[nn.Module, Any, str]:
+    """``(model, tokenizer, kind)``; a folder whose config has ``rfa_config`` loads converted.
+
+    ``dtype``: the weights' dtype; ``device``: where the model goes (None: CUDA when available,
+    else the CPU); ``device_map="auto"``: spread over the visible devices instead
+    (:mod:`.devices`); ``attn_implementation``: the unconverted model's attention (sdpa, eager,
+    flash_attention_2). The defaults load on the CPU in float32 with sdpa."""
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
     from ...hf.convert import from_pretrained
+    from . import devices
 
+    dev = devices.check_device(None if device is None else str(device))
+    devices.check_device_map(device_map)
+    devices.check_attn_implementation(attn_implementation, None if device_map else dev)
+    kwargs = devices.load_kwargs(dtype, dev, device_map)
     path = resolve_checkpoint(spec)
     cfg = AutoConfig.from_pretrained(path)
     kind = kind_of(cfg)
     cls = {CAUSAL_LM: transformers.AutoModelForCausalLM, CLASSIFIER: transformers.AutoModelForSequenceClassification, ENCODER: transformers.AutoModel}[kind]
     if getattr(cfg, CONFIG_ATTR, None):
-        model = from_pretrained(path, dtype=dtype)
+        model = from_pretrained(path, **kwargs)
     else:
-        model = cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = cls.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+    if devices.needs_float32_compute(devices.input_device(model), dtype):
+        devices.float32_compute(model)  # bf16 storage, float32 matmuls (no bf16 matrix hardware here)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

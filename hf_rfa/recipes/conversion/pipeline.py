@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ... import output_dir
-from . import calibration, checks, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
+from . import calibration, checks, distributed, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
 from .config import ConversionConfig
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER, kind_of, load_model, resolve_checkpoint
 from .stages import run_stages
@@ -63,8 +63,16 @@ def _publish(tmp: Path, output: Path) -> None:
 def run(cfg: ConversionConfig) -> dict:
     """Run one conversion; returns the report (also written to ``output/report.json``)."""
     torch.manual_seed(cfg.seed)
-    report_plot = plotting_available()  # checked before any expensive stage
+    procs = distributed.processes()  # several under `accelerate launch`: only the main one writes
+    distributed.check_batch(cfg.batch_size)
     output = Path(cfg.output).resolve()
+    if not procs.is_main:
+        checks.check_inputs(cfg)
+        report = _run(cfg, None, plot=False)
+        distributed.barrier()  # the main process has published the output
+        report["output"] = str(output)
+        return report
+    report_plot = plotting_available()  # checked before any expensive stage
     tmp = _tmp_dir(output, cfg.overwrite, (cfg.model, cfg.calibration_text, cfg.train_text, cfg.eval_text))
     try:
         checks.check_inputs(cfg)
@@ -73,6 +81,7 @@ def run(cfg: ConversionConfig) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    distributed.barrier()
     report["output"] = str(output)
     if cfg.push_to_hub:
         _push(cfg.push_to_hub, output, report)
@@ -107,15 +116,28 @@ def plotting_available() -> bool:
     return True
 
 
-def _run(cfg: ConversionConfig, tmp: Path, plot: bool = True) -> dict:
-    """Load, run the stages, export into ``tmp`` with the reports; returns the report."""
+def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
+    """Load, run the stages, export into ``tmp`` with the reports (``tmp=None``: a process other
+    than the main one, which writes nothing); returns the report."""
     total = _Timer()
-    model, tok, kind = load_model(cfg.model)
-    warnings = checks.check_model(cfg, model, kind)
+    if cfg.memory_check:
+        from .memory_plan import check_before_loading
+
+        check_before_loading(cfg)  # refuses at once a run that would not fit the device
+    procs = distributed.processes()
+    device = cfg.device if cfg.device is not None or procs.device is None else str(procs.device)  # one device per process
+    model, tok, kind = load_model(
+        cfg.model, cfg.torch_dtype, device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
+    )
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
+    warnings = checks.check_model(cfg, model, kind)
     if warnings:
         report["warnings"] = warnings
+    if procs.world > 1:
+        report["processes"] = procs.world
     state = run_stages(State(cfg=cfg, model=model, tok=tok, kind=kind, report=report))
+    if tmp is None:
+        return report
     _export(state, tmp, plot)
     report["minutes_total"] = total.minutes()
     (tmp / "RESULTS.md").write_text(rows_markdown(report["rows"]) + "\n", encoding="utf-8")

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .. import evaluation
-from . import calibration, precision, transfer
+from . import calibration, devices, layerwise, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
@@ -36,8 +36,9 @@ def _max_seconds(minutes: float | None) -> float | None:
 
 # --------------------------------------------------------------------------- inputs and the original
 def _autocast(s: State):
-    """The training stages' autocast dtype (``cfg.train_autocast`` on the model's device; None: fp32)."""
-    return precision.resolve_autocast(s.cfg.train_autocast, next(s.model.parameters()).device)
+    """The training stages' autocast dtype (the weights' dtype when it is low precision, else
+    ``cfg.train_autocast`` on the model's device; None: fp32), :func:`.devices.training_autocast`."""
+    return devices.training_autocast(s.cfg.train_autocast, devices.input_device(s.model), devices.weight_dtype(s.model))
 
 
 def load_texts(s: State) -> None:
@@ -175,6 +176,7 @@ def convert_target(s: State) -> None:
     """Convert to the run's config (``ConversionConfig.rfa_config()``)."""
     s.target = s.cfg.rfa_config()
     convert(s.model, s.target)
+    devices.keep_trainable_float32(s.model)  # mixed precision: low-precision frozen weights, float32 maps
     window, sinks = s.target.window, s.target.sinks
     if s.target.feature_map == "none":  # no features: num_features means nothing
         s.label = f"window-only: window {window} + sinks {sinks}, no features"
@@ -219,12 +221,15 @@ def train_transfer(s: State) -> dict | None:
     cfg = s.cfg
     if not (_trainable(s) and cfg.transfer_tokens > 0):
         return None
-    res = transfer.attention_transfer(
-        s.model, s.train_stream(), cfg.transfer_tokens, lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress,
-        queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None, max_seconds=_max_seconds(cfg.transfer_minutes),
-        autocast=_autocast(s), schedule=cfg.transfer_schedule,
+    kwargs = dict(
+        lr=cfg.transfer_lr, init_mix=False, progress=cfg.progress, queries=cfg.transfer_queries if s.kind == CAUSAL_LM else None,
+        max_seconds=_max_seconds(cfg.transfer_minutes), autocast=_autocast(s), schedule=cfg.transfer_schedule,
         query_blocks=cfg.transfer_query_blocks if s.kind == CAUSAL_LM else 1,
     )
+    if cfg.transfer_layerwise:  # one layer's captures at a time (:mod:`.layerwise`)
+        res = layerwise.attention_transfer_layerwise(s.model, s.train_stream, cfg.transfer_tokens, **kwargs)
+    else:
+        res = transfer.attention_transfer(s.model, s.train_stream(), cfg.transfer_tokens, **kwargs)
     s.stages["transfer"] = res.as_dict()
     return s.stages["transfer"]
 
@@ -315,7 +320,7 @@ def generation_sample(s: State) -> None:
     cfg = s.cfg
     if not (cfg.generate_prompt and cfg.generate_tokens):
         return
-    ids = s.tok(cfg.generate_prompt, return_tensors="pt")
+    ids = s.tok(cfg.generate_prompt, return_tensors="pt").to(devices.input_device(s.model))
     with torch.no_grad():
         out = s.model.generate(**ids, max_new_tokens=cfg.generate_tokens, do_sample=False, pad_token_id=s.tok.pad_token_id)
     s.report["generation"] = {"prompt": cfg.generate_prompt, "text": s.tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)}

@@ -33,7 +33,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from . import precision
+from . import distributed, precision
+from .devices import input_device, to_device
 from ...hf.loading import is_converted
 from .calibration import Captured, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
 from ...ops.backends import training_backend
@@ -112,15 +113,15 @@ def rfa_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def _regions(cap: Captured, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact, far) bool masks ``[B, 1, N, N]``: keys answered exactly / by the features."""
-    b, n = cap.q.shape[0], cap.k.shape[2]
-    t = torch.arange(n).view(-1, 1)
-    s = torch.arange(n).view(1, -1)
-    visible = (s <= t) if cap.causal else torch.ones(n, n, dtype=torch.bool)
+    b, n, dev = cap.q.shape[0], cap.k.shape[2], cap.q.device
+    t = torch.arange(n, device=dev).view(-1, 1)
+    s = torch.arange(n, device=dev).view(1, -1)
+    visible = (s <= t) if cap.causal else torch.ones(n, n, dtype=torch.bool, device=dev)
     visible = visible.view(1, 1, n, n)
     km = key_mask_bool(cap.mask, b, n, cap.q.device)
     if km is not None:
         visible = visible & km.view(b, 1, 1, n)
-    exact = torch.zeros(1, 1, n, n, dtype=torch.bool)
+    exact = torch.zeros(1, 1, n, n, dtype=torch.bool, device=dev)
     if window > 0:
         exact = (((s <= t) & (s > t - window)) if cap.causal else ((s - t).abs() < window)).view(1, 1, n, n)
     if sinks > 0:
@@ -160,7 +161,8 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
         if rate is not None:  # a decayed feature state: key s reaches query t with weight γ^(t−s)
             r = rate.detach().to(w.dtype).exp()
             r = r.expand(h) if r.numel() == 1 else r.repeat_interleave(h // r.numel())
-            dist = (torch.arange(n).view(-1, 1) - torch.arange(n).view(1, -1)).clamp_min(0).to(w.dtype)
+            pos = torch.arange(n, device=w.device)
+            dist = (pos.view(-1, 1) - pos.view(1, -1)).clamp_min(0).to(w.dtype)
             w = w * torch.exp(-r.view(1, h, 1, 1) * dist)
         feat = torch.log((w * far).sum(-1).clamp_min(1e-30))
         rows = far.any(-1)  # [B,H,N]
@@ -206,6 +208,7 @@ def attention_transfer(
     autocast: torch.dtype | None = None,
     schedule: str = "constant",
     query_blocks: int = 1,
+    layers: set[int] | None = None,
 ) -> TransferResult:
     """Train the feature maps of a converted ``model`` to reproduce its softmax attention outputs.
 
@@ -235,6 +238,9 @@ def attention_transfer(
             end (with the keys they see). The teacher's forward (most of a step's time at 1,024
             tokens) is shared by ``query_blocks`` steps; the budget still counts each sequence's
             tokens once.
+        layers: train only these converted layers (the others frozen, their q/k/v not captured);
+            each layer's loss is still divided by the number of converted layers, so a run per
+            layer gives each map the updates of the all-layers form (:mod:`.layerwise`).
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
     Raises ValueError when the converted layers have nothing to train (random maps), or for an
     unknown ``schedule`` or a ``query_blocks`` that the sequences cannot hold.
@@ -247,7 +253,9 @@ def attention_transfer(
         raise ValueError(f"query_blocks must be an int >= 1, got {query_blocks!r}")
     if query_blocks > 1 and queries is None:
         raise ValueError("query_blocks > 1 needs queries (the size of each block of fitted queries)")
-    params = rfa_parameters(model)
+    all_layers = rfa_layers(model)
+    layers = all_layers if layers is None else {i: r for i, r in all_layers.items() if i in layers}
+    params = [p for r in layers.values() for p in r.parameters()]
     if not params:
         raise ValueError("the converted model's feature maps have no trainable parameters (random maps need no transfer)")
     frozen = [(p, p.requires_grad) for p in model.parameters()]
@@ -255,7 +263,7 @@ def attention_transfer(
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    layers = rfa_layers(model)
+    n_layers, subset = len(all_layers), (set(layers) if len(layers) < len(all_layers) else None)
     opt = torch.optim.Adam(params, lr=lr)
     res = TransferResult()
     start = time.perf_counter()
@@ -265,25 +273,27 @@ def attention_transfer(
     if max_position is not None and (isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1):
         raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
     model.eval()
-    device = next(model.parameters()).device
+    device = input_device(model)
     res.autocast = precision.dtype_name(autocast)
     try:
         for ids, mask in batches:
+            ids, mask = distributed.shard(ids, mask)  # this process's rows of the global batch
+            ids, mask = to_device(ids, device), to_device(mask, device)
             pos = None
             if max_position is not None:
                 n_ctx = ids.shape[-1]
                 if max_position < n_ctx:
                     raise ValueError(f"max_position ({max_position}) must be at least the context ({n_ctx})")
                 off = int(torch.randint(0, max_position - n_ctx + 1, (1,), generator=gen))
-                pos = (torch.arange(n_ctx) + off).expand(ids.shape[0], n_ctx)
+                pos = (torch.arange(n_ctx, device=device) + off).expand(ids.shape[0], n_ctx)
             with precision.autocast(device, autocast):
-                caps = capture(model, ids, mask, pos)
+                caps = capture(model, ids, mask, pos, layers=subset)
             if init_mix and res.steps == 0:
                 init_mixing(model, caps)
             nk = ids.shape[-1]
             if res.steps == 0:
                 logger.info("attention transfer: layer outputs by the %s (%d keys; the twin up to %d)", "quadratic twin" if nk <= twin_max_keys else "op", nk, twin_max_keys)
-            n = int(mask.sum()) if mask is not None else ids.numel()
+            n = distributed.global_tokens(int(mask.sum()) if mask is not None else ids.numel())
             if query_blocks > 1 and query_blocks * queries > nk:
                 raise ValueError(f"query_blocks ({query_blocks}) × queries ({queries}) exceeds the sequence length ({nk})")
             for b in range(query_blocks):
@@ -298,11 +308,12 @@ def attention_transfer(
                     with precision.autocast(device, autocast):
                         pred = transfer_output(rfa, cap, twin_max_keys)
                     loss = _masked_mse(pred, cap)
-                    (loss / len(layers)).backward()
+                    (loss / n_layers).backward()
                     total += float(loss.detach())
+                distributed.all_reduce_grads(params)
                 opt.step()
                 res.steps += 1
-                res.losses.append(total / len(layers))
+                res.losses.append(total / n_layers)
             del caps, cap, pred, loss  # not alive through the next capture (peak memory)
             res.tokens += n
             bar.update(n)
@@ -385,11 +396,13 @@ def lora_finetune(
     bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
     base = peft_model.get_base_model()
     peft_model.train()
-    device = next(base.parameters()).device
+    device = input_device(base)
     res.autocast = precision.dtype_name(autocast)
     try:
         with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
             for ids, mask in batches:
+                ids, mask = distributed.shard(ids, mask)
+                ids, mask = to_device(ids, device), to_device(mask, device)
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
                     loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
@@ -400,9 +413,10 @@ def lora_finetune(
                 # [B, N, vocab] logits) must not stay alive through the next step's forward, where
                 # they would add to the peak memory (benchmarks/train_step.py --release-loss)
                 del loss
+                distributed.all_reduce_grads(params)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
-                n = int(mask.sum()) if mask is not None else ids.numel()
+                n = distributed.global_tokens(int(mask.sum()) if mask is not None else ids.numel())
                 res.tokens += n
                 res.steps += 1
                 bar.update(n)

@@ -1,0 +1,324 @@
+"""The memory plan of a conversion, from the model's config alone (``hf-rfa-convert --dry-run``).
+
+:func:`plan` builds the model on the meta device (``accelerate.init_empty_weights``: no weight is
+read or allocated), converts it there to count the feature-map tensors, and adds up, per process:
+
+- **weights**: the frozen weights in ``dtype`` plus the converted layers' tensors in float32 (with
+  FSDP: divided over the processes); a second copy while a window-only baseline trains its own LoRA;
+- **gradients and optimizer state** of what each stage trains (Adam: two float32 moments): the
+  feature maps in attention transfer, the LoRA adapters in the LoRA stage;
+- **activations** per stage: attention transfer holds each layer's captured q, k, v and softmax
+  output (all layers at once, or one with ``transfer_layerwise``) and one layer's training graph;
+  LoRA holds the model's saved activations for the backward and the float32 logits of the loss;
+  evaluation one window's logits;
+- **decode cache**: the constant-size RFA state of the converted model next to the softmax KV
+  cache at the longest evaluation context;
+- **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
+  transformers); on CUDA, an allowance for the CUDA context.
+
+The peak is the largest stage total. :func:`check_fits` compares it with what the device has free
+(``torch.cuda.mem_get_info``; on the CPU ``MemAvailable`` of ``/proc/meminfo``, or psutil) and
+refuses a run that would not fit, with the numbers and what to change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .config import ConversionConfig
+
+GIB = 1024**3
+MIB = 1024**2
+#: CUDA context and allocator slack of one process, bytes (an allowance, not a measurement)
+CUDA_CONTEXT_BYTES = 600 * MIB
+#: the stages of the table, in order
+STAGES = ("transfer", "lora", "eval")
+
+
+class PlanDoesNotFit(ValueError):
+    """The memory plan's peak exceeds what the device has free."""
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per process of each part of each stage (``parts[stage][part]``) and the setting."""
+
+    model: str
+    dtype: str
+    device: str
+    processes: int
+    sharding: str
+    context: int
+    batch_size: int
+    parts: dict[str, dict[str, int]] = field(default_factory=dict)
+    decode: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def stage_total(self, stage: str) -> int:
+        return sum(self.parts.get(stage, {}).values())
+
+    @property
+    def peak(self) -> int:
+        return max(self.stage_total(s) for s in self.parts)
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.parts, key=self.stage_total)
+
+    def markdown(self) -> str:
+        """The ``--dry-run`` table: one row per part, one column per stage, totals, decode cache."""
+        names = [s for s in STAGES if s in self.parts]
+        rows = []
+        for part in dict.fromkeys(p for s in names for p in self.parts[s]):
+            rows.append(f"| {part} | " + " | ".join(_fmt(self.parts[s].get(part)) for s in names) + " |")
+        head = (
+            f"Memory plan per process: {self.model}, {self.dtype} weights on {self.device}, {self.processes} process(es)"
+            f" ({self.sharding}), context {self.context}, batch {self.batch_size}; parameters: "
+            + ", ".join(f"{k} {v:,}" for k, v in self.counts.items())
+        )
+        lines = [head, "", "| part | " + " | ".join(names) + " |", "|---|" + "---|" * len(names), *rows]
+        lines.append("| **total** | " + " | ".join(f"**{_fmt(self.stage_total(s))}**" for s in names) + " |")
+        lines.append("")
+        lines.append(f"Peak: {_fmt(self.peak)} ({self.peak_stage}).")
+        if self.decode:
+            lines.append("Decode cache per sequence: " + ", ".join(f"{k} {_fmt(v)}" for k, v in self.decode.items()) + ".")
+        return "\n".join(lines)
+
+
+def _fmt(n: int | None) -> str:
+    if n is None:
+        return ""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+# --------------------------------------------------------------------------- the model on the meta device
+def load_config(spec: str):
+    """A transformers config from a Hub id, a folder or a ``config.json`` path (nothing else read)."""
+    from transformers import AutoConfig
+
+    from .loading import resolve_checkpoint
+
+    if os.path.isfile(spec) and spec.endswith(".json"):
+        import json
+
+        d = json.loads(open(spec, encoding="utf-8").read())
+        if "model_type" not in d:
+            raise ValueError(f"model: {spec!r} has no 'model_type': not a transformers config.json")
+        return AutoConfig.for_model(**d)
+    return AutoConfig.from_pretrained(resolve_checkpoint(spec))
+
+
+def meta_model(config, cfg: ConversionConfig) -> tuple[nn.Module, nn.Module]:
+    """``(original, converted)`` skeletons on the meta device (no memory, nothing read)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    from ...hf.convert import convert
+    from .loading import CAUSAL_LM, CLASSIFIER, kind_of
+
+    kind = kind_of(config)
+    cls = {CAUSAL_LM: transformers.AutoModelForCausalLM, CLASSIFIER: transformers.AutoModelForSequenceClassification}.get(kind, transformers.AutoModel)
+    with init_empty_weights():
+        model = cls.from_config(config, attn_implementation="sdpa")
+    original = sum(p.numel() for p in model.parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    inp, outp = model.get_input_embeddings(), model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)) and outp is not None and outp.weight is not inp.weight:
+        original -= outp.weight.numel()  # tied on load (the skeleton may not tie them)
+    with init_empty_weights():
+        convert(model, cfg.rfa_config())
+    return model, original
+
+
+def _dims(config) -> dict[str, int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = text.hidden_size
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    d = getattr(text, "head_dim", None) or h // heads
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * h
+    return {"h": h, "L": text.num_hidden_layers, "H": heads, "Hkv": kv, "D": d, "I": inter, "V": text.vocab_size}
+
+
+def _lora_params(model: nn.Module, r: int) -> int:
+    from ..training.peft_utils import lora_targets
+
+    targets = set(lora_targets(model))
+    n = 0
+    for name, m in model.named_modules():
+        if name.split(".")[-1] in targets and hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2:
+            n += r * sum(m.weight.shape)
+    return n
+
+
+# --------------------------------------------------------------------------- the plan
+def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
+    """The memory plan of ``cfg`` per process (see the module docstring). ``processes``: default
+    ``WORLD_SIZE`` (1); ``sharding``: ``ddp`` (every process a full copy: what the conversion does
+    under ``accelerate launch``, :mod:`.distributed`) or ``fsdp`` (weights split over the processes,
+    as the training recipes do with ``training/configs/fsdp_*.yaml``); ``runtime_bytes``: the process's own memory (default:
+    its resident memory now on the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA)."""
+    from . import devices
+    from .calibration import rfa_layers
+
+    processes = int(processes or os.environ.get("WORLD_SIZE", "1"))
+    sharding = sharding or ("ddp" if processes > 1 else "none")
+    if sharding not in ("none", "ddp", "fsdp"):
+        raise ValueError(f"sharding must be one of ['none', 'ddp', 'fsdp'], got {sharding!r}")
+    device = devices.check_device(cfg.device, available=not cfg.dry_run)
+    wdtype = cfg.torch_dtype
+    wb = torch.finfo(wdtype).bits // 8
+    act_dtype = devices.training_autocast(cfg.train_autocast, device, wdtype) or torch.float32
+    ab = torch.finfo(act_dtype).bits // 8
+    config = load_config(cfg.model)
+    model, p_orig = meta_model(config, cfg)
+    layers = rfa_layers(model)
+    p_rfa = sum(t.numel() for r in layers.values() for t in list(r.parameters()) + list(r.buffers()))
+    p_train = sum(p.numel() for r in layers.values() for p in r.parameters())
+    p_lora = _lora_params(model, cfg.lora_r) if cfg.lora_tokens > 0 else 0
+    first = next(iter(layers.values()))
+    feat = first.feature_map.feature_dim if cfg.rfa.feature_map != "none" else 0
+    g = _dims(config)
+    shard = processes if sharding == "fsdp" else 1
+    weights = (p_orig * wb + p_rfa * 4) // shard
+    runtime = runtime_bytes if runtime_bytes is not None else (CUDA_CONTEXT_BYTES if device.type == "cuda" else _rss_now())
+    b = max(1, math.ceil(cfg.batch_size / processes))
+    n, n_lora = cfg.context, cfg.lora_context or cfg.context
+    out = MemoryPlan(cfg.model, cfg.dtype, str(device), processes, sharding, n, cfg.batch_size,
+                     counts={"frozen": p_orig, "feature maps": p_rfa, "trainable maps": p_train, "LoRA": p_lora})
+    base = {"runtime": runtime, "weights": weights}
+    if p_train and cfg.transfer_tokens > 0:
+        out.parts["transfer"] = {**base, **_transfer(cfg, g, b, n, ab, feat, p_train, len(layers))}
+    if p_lora and config_is_causal(config):
+        out.parts["lora"] = {**base, **_lora(cfg, g, b, n_lora, ab, feat, p_lora, weights)}
+    out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
+    out.decode = _decode(cfg, g, wb, feat, len(layers))
+    return out
+
+
+def config_is_causal(config) -> bool:
+    from .loading import CAUSAL_LM, kind_of
+
+    return kind_of(config) == CAUSAL_LM
+
+
+def _transfer(cfg, g, b, n, ab, feat, p_train, n_layers) -> dict[str, int]:
+    held = 1 if cfg.transfer_layerwise else n_layers
+    per_layer = b * n * g["D"] * (2 * g["H"] + 2 * g["Hkv"]) * ab
+    if cfg.rfa.feature_input == "unrotated":
+        per_layer += b * n * g["D"] * (g["H"] + g["Hkv"]) * ab
+    q = min(n, cfg.transfer_queries or n)
+    graph = 4 * b * g["H"] * (n + q) * max(feat, 1) * 4  # features of keys and fitted queries, with their gradients (float32)
+    teacher = b * n * (g["h"] * 4 + g["I"] * 3) * ab + b * g["H"] * n * n * ab  # one layer of the teacher's forward
+    return {"gradients": p_train * 4, "optimizer": 2 * p_train * 4, "captures": held * per_layer, "activations": graph + teacher}
+
+
+def _lora(cfg, g, b, n, ab, feat, p_lora, weights) -> dict[str, int]:
+    per_layer = b * n * (6 * g["h"] + 2 * g["Hkv"] * g["D"] + 4 * g["I"]) * ab + b * g["H"] * n * (g["D"] + max(feat, 1)) * 4
+    logits = b * n * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
+    parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": g["L"] * per_layer + logits}
+    if cfg.window_only_baseline and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
+        parts["baseline copy"] = weights  # the window-only baseline trains its LoRA on a copy of the model
+    return parts
+
+
+def _eval(cfg, g, ab) -> dict[str, int]:
+    n = max(cfg.eval_contexts)
+    logits = n * g["V"] * (ab + 2 * 4)  # logits and the float32 copy of the loss
+    if cfg.passkey_lengths:  # passkey trials run 4 prompts at once (their logits, no loss)
+        logits = max(logits, 4 * max(cfg.passkey_lengths) * g["V"] * ab)
+    layer = n * (g["h"] * 4 + g["I"] * 3) * ab + g["H"] * min(n, 1024) * n * 4
+    return {"activations": logits + layer}
+
+
+def _decode(cfg, g, wb, feat, n_layers) -> dict[str, int]:
+    n = max(cfg.eval_contexts)
+    softmax = 2 * g["L"] * g["Hkv"] * n * g["D"] * wb
+    exact = (cfg.rfa.window + cfg.rfa.sinks + cfg.rfa.memory) * 2 * g["Hkv"] * g["D"] * wb
+    state = g["Hkv"] * feat * (g["D"] + 1) * 4 if feat else 0
+    return {f"softmax KV @{n}": softmax, "RFA state": n_layers * (exact + state) + (g["L"] - n_layers) * 2 * g["Hkv"] * n * g["D"] * wb}
+
+
+# --------------------------------------------------------------------------- does it fit
+def _rss_now() -> int:
+    """This process's resident memory now (bytes); 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` or psutil)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def check_before_loading(cfg: ConversionConfig) -> MemoryPlan | None:
+    """The plan of ``cfg`` checked against its device (:func:`check_fits`); None (with a warning)
+    when the model cannot be planned (the run goes on: the check is a guard, not a gate)."""
+    import logging
+
+    from . import devices
+
+    try:
+        p = plan(cfg)
+    except PlanDoesNotFit:
+        raise
+    except Exception as e:  # noqa: BLE001 - an architecture the meta skeleton cannot build must not block a run
+        logging.getLogger(__name__).warning("no memory plan for %s (%s): the fit check is skipped", cfg.model, e)
+        return None
+    logging.getLogger(__name__).info("memory plan: peak %s (%s)\n%s", _fmt(p.peak), p.peak_stage, p.markdown())
+    if cfg.device_map is None:  # a device map spreads the model over several devices: no single-device check
+        check_fits(p, devices.check_device(cfg.device))
+    return p
+
+
+def check_fits(p: MemoryPlan, device: torch.device | str, available: int | None = None) -> None:
+    """Raise :class:`PlanDoesNotFit` (one line: the numbers and what to change) when the plan's
+    peak exceeds ``available`` (default: :func:`available_bytes`; the CPU plan's runtime part is
+    already resident, so it is not counted twice)."""
+    device = torch.device(device)
+    avail = available_bytes(device) if available is None else available
+    if avail is None:
+        return
+    need = p.peak - (p.parts[p.peak_stage].get("runtime", 0) if device.type == "cpu" and available is None else 0)
+    if need <= avail:
+        return
+    hints = []
+    if p.dtype == "float32":
+        hints.append("--dtype bfloat16")
+    if "transfer" in p.parts and p.peak_stage == "transfer":
+        hints.append("--transfer-layerwise")
+    if p.batch_size > 1:
+        hints.append("a smaller --batch-size")
+    hints += ["a shorter --context / --lora-context", "--device-map auto or an FSDP config over more devices"]
+    raise PlanDoesNotFit(
+        f"the memory plan needs {_fmt(need)} per process at its peak ({p.peak_stage}) but {device} has {_fmt(avail)} free: "
+        f"try {', '.join(hints)} (--dry-run prints the plan; --no-memory-check skips this check)"
+    )
+
+
+__all__ = ["CUDA_CONTEXT_BYTES", "MemoryPlan", "PlanDoesNotFit", "available_bytes", "check_before_loading", "check_fits", "load_config", "meta_model", "plan"]

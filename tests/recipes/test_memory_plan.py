@@ -1,0 +1,91 @@
+"""The meta-device memory plan (hf_rfa.recipes.conversion.memory_plan, hf-rfa-convert --dry-run)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_rfa.cli import config_from_args, convert_main
+from hf_rfa.recipes.conversion import memory_plan
+from hf_rfa.recipes.conversion.config import ConversionConfig
+from tiny_models import tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LLAMA3_8B = os.path.join(ROOT, "tests", "fixtures", "llama-3-8b", "config.json")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan") / "llama"
+    tiny_model("llama").save_pretrained(d)
+    return str(d)
+
+
+def _cfg(model, **kw):
+    base = dict(model=model, output="o", calibration_text="c", eval_text="e", rfa=ConversionConfig(model="m").rfa)
+    return ConversionConfig(**{**base, **kw})
+
+
+def test_weights_and_counts_match_the_real_model(tiny_llama):
+    """Nothing is loaded, yet the counts equal the real model's (tied weights once) and the
+    weights row is parameters × bytes (bf16: half of float32's frozen part)."""
+    real = tiny_model("llama")
+    n = sum(p.numel() for p in real.parameters())
+    p32 = memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0)
+    p16 = memory_plan.plan(_cfg(tiny_llama, dtype="bfloat16"), runtime_bytes=0)
+    assert p32.counts["frozen"] == n
+    maps = p32.counts["feature maps"]
+    assert p32.parts["eval"]["weights"] == 4 * n + 4 * maps
+    assert p16.parts["eval"]["weights"] == 2 * n + 4 * maps
+    assert p32.peak > p16.peak > 0
+
+
+def test_layerwise_holds_one_layer_of_captures(tiny_llama):
+    kw = dict(rfa=ConversionConfig(model="m").rfa.__class__(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+    full = memory_plan.plan(_cfg(tiny_llama, **kw), runtime_bytes=0)
+    one = memory_plan.plan(_cfg(tiny_llama, transfer_layerwise=True, **kw), runtime_bytes=0)
+    layers = 2
+    assert full.parts["transfer"]["captures"] == layers * one.parts["transfer"]["captures"] > 0
+
+
+def test_processes_split_the_batch_and_fsdp_the_weights(tiny_llama):
+    one = memory_plan.plan(_cfg(tiny_llama, batch_size=4), processes=1, runtime_bytes=0)
+    ddp = memory_plan.plan(_cfg(tiny_llama, batch_size=4), processes=2, runtime_bytes=0)
+    fsdp = memory_plan.plan(_cfg(tiny_llama, batch_size=4), processes=2, sharding="fsdp", runtime_bytes=0)
+    assert ddp.parts["eval"]["weights"] == one.parts["eval"]["weights"] == 2 * fsdp.parts["eval"]["weights"]
+    assert ddp.parts["lora"]["activations"] < one.parts["lora"]["activations"]
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_the_numbers(tiny_llama):
+    p = memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0)
+    memory_plan.check_fits(p, "cpu", available=p.peak)
+    with pytest.raises(memory_plan.PlanDoesNotFit) as e:
+        memory_plan.check_fits(p, "cpu", available=p.peak // 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "--dtype bfloat16" in msg and "MiB" in msg
+
+
+def test_dry_run_accepts_a_config_file_and_loads_nothing(capsys):
+    """The Llama-3-8B shapes: ~8.0 B parameters, 16 GB of bf16 weights, from config.json alone."""
+    out = convert_main(["--model", LLAMA3_8B, "--dry-run", "--dtype", "bfloat16", "--context", "1024", "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert "| part |" in text and "Peak:" in text
+    cfg = json.loads(open(LLAMA3_8B).read())
+    assert cfg["hidden_size"] == 4096 and cfg["num_key_value_heads"] == 8
+    weights = out["parts"]["eval"]["weights"]
+    assert 15.5e9 < weights < 16.3e9  # 8.03 B parameters × 2 bytes (+ the float32 feature maps)
+
+
+def test_dry_run_flags_need_no_texts():
+    cfg = config_from_args(["--model", "m", "--dry-run"])
+    assert cfg.dry_run and cfg.model == "m"
+
+
+@pytest.mark.slow
+def test_a_config_folder_works_like_its_file():
+    a = memory_plan.plan(_cfg(LLAMA3_8B, dtype="bfloat16", device="cpu"), runtime_bytes=0)
+    b = memory_plan.plan(_cfg(os.path.dirname(LLAMA3_8B), dtype="bfloat16", device="cpu"), runtime_bytes=0)
+    assert a.parts == b.parts and a.counts["frozen"] == 8_030_261_248
