@@ -51,14 +51,14 @@ class RFALM(HFLM):
     def __init__(self, pretrained: Any, **kwargs: Any) -> None:
         self._rfa_fields = _rfa_overrides(kwargs)
         if self._rfa_fields:
-            RFAConfig(**self._rfa_fields)  # bad field names / values fail here, with their names
+            RFAConfig.from_dict(self._rfa_fields)  # bad field names / values fail here, with their names
         if not isinstance(pretrained, str) and not _is_rfa(pretrained):
             raise ValueError(f"pretrained must be a converted model or the folder of one, got an unconverted {type(pretrained).__name__}")
         super().__init__(pretrained=pretrained, **kwargs)
 
     def _create_model(self, pretrained: str, revision: str | None = "main", dtype: Any = "auto", trust_remote_code: bool | None = False, **kwargs: Any) -> None:
         import transformers
-        from lm_eval.models.utils import get_dtype
+        from lm_eval.models.utils_hf import get_dtype
 
         from .. import convert, from_pretrained
 
@@ -75,7 +75,7 @@ class RFALM(HFLM):
             self._model = from_pretrained(pretrained, **load)
         elif self._rfa_fields:
             model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, **load)
-            self._model = convert(model, RFAConfig(**self._rfa_fields))
+            self._model = convert(model, RFAConfig.from_dict(self._rfa_fields))
             logger.info("%s converted on load: %s", pretrained, self._rfa_fields)
         else:
             raise ValueError(
@@ -86,9 +86,18 @@ class RFALM(HFLM):
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs: Any):
         from ..hf.cache import RFACache
 
-        if generation_kwargs.get("past_key_values") is None and _is_rfa(self.model):
-            generation_kwargs["past_key_values"] = RFACache(self.model.config)
+        key = cache_kwarg()
+        if all(generation_kwargs.get(k) is None for k in ("cache", "past_key_values")) and _is_rfa(self.model):
+            generation_kwargs[key] = RFACache(self.model.config)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+def cache_kwarg() -> str:
+    """The name ``generate()`` takes a cache under: ``cache`` (newer transformers) or ``past_key_values``."""
+    from transformers.generation import utils
+
+    names = getattr(utils, "ALL_CACHE_NAMES", None)
+    return names[0] if names else "past_key_values"
 
 
 def _is_rfa(model: Any) -> bool:

@@ -11,7 +11,7 @@ at those files (``dataset_path: json`` + ``data_files``), into one folder (defau
                                         next after two sentences (3 distractors from other
                                         articles); zero-shot multiple choice (acc, acc_norm)
 ``rfa_rotten_tomatoes``                 Rotten Tomatoes snippets, 8-shot, negative / positive
-``rfa_rotten_tomatoes_manyshot``        the same, 160-shot (a prompt of more than 4k tokens)
+``rfa_rotten_tomatoes_manyshot``        the same, 128-shot (a prompt of more than 4k tokens)
 ``rfa_bbc_topic``                       BBC news, 5 topics, 5-shot (one article per topic)
 ``rfa_bbc_topic_manyshot``              the same, 50-shot (a prompt of more than 4k tokens)
 ======================================  =====================================================
