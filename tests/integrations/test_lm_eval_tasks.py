@@ -86,3 +86,38 @@ def test_many_shot_prompts_exceed_4k_tokens(tmp_path):
         task.build_all_requests(limit=3, rank=0, world_size=1)
         lengths = [len(tok.encode(inst.arguments[0])) for inst in task.instances]
         assert min(lengths) >= 4096, (name, lengths)
+
+
+def test_bbc_reader_on_a_synthetic_folder(tmp_path):
+    from hf_rfa.assets.bbc_news import BBC_LABELS, _FOLDERS, _read_bbc
+
+    for i, topic in enumerate(BBC_LABELS):
+        d = tmp_path / _FOLDERS[topic]
+        d.mkdir()
+        (d / "001.txt").write_bytes(f"Title {topic}\n\nBody of {topic} \n second  line.\n".encode())
+        (d / "002.txt").write_bytes(f"Caf\xe9 {topic}\n\nLatin-1 body {topic}.".encode("latin-1"))
+        (d / "003.txt").write_bytes(f"Again\n\nBody of {topic} second line.".encode())  # duplicate body
+    rows = _read_bbc(tmp_path)
+    assert len(rows) == 10 and [r["label"] for r in rows] == [i for i in range(5) for _ in range(2)]
+    assert rows[0] == {"title": "Title business", "text": "Body of business second line.", "label": 0}
+    assert rows[1]["title"] == "Café business"
+    (tmp_path / "tech" / "001.txt").unlink()
+    (tmp_path / "tech" / "002.txt").unlink()
+    (tmp_path / "tech" / "003.txt").unlink()
+    (tmp_path / "tech").rmdir()
+    with pytest.raises(FileNotFoundError, match="tech"):
+        _read_bbc(tmp_path)
+
+
+def test_bbc_news_splits():
+    from hf_rfa import assets
+
+    try:
+        train, test = assets.bbc_news("train"), assets.bbc_news("test")
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e))
+    assert len(train) + len(test) > 2000 and abs(len(test) / (len(train) + len(test)) - 0.2) < 0.01
+    assert {r["label"] for r in test} == set(range(5))
+    assert not {r["text"] for r in train} & {r["text"] for r in test}
+    with pytest.raises(ValueError, match="unknown split"):
+        assets.bbc_news("validation")
