@@ -191,3 +191,13 @@ def test_command_line_runs_offline_task(folders, tmp_path):
     assert len(files) == 1
     res = json.loads(files[0].read_text())["results"][fx.TASK]
     assert 0.0 <= res["acc,none"] <= 1.0 and res["acc,none"] * 3 == pytest.approx(round(res["acc,none"] * 3))
+
+
+def test_wrapper_adds_the_offline_task_folder_to_include_path():
+    with mock.patch("hf_rfa.integrations.lm_eval_tasks.prepare_tasks", return_value=Path("TASKS")) as prep:
+        assert ours.with_offline_tasks(["--model", "hf_rfa", "--tasks", "piqa"]) == ["--model", "hf_rfa", "--tasks", "piqa"]
+        prep.assert_not_called()
+        assert ours.with_offline_tasks(["--tasks", "piqa,rfa_bbc_topic"]) == ["--tasks", "piqa,rfa_bbc_topic", "--include_path", "TASKS"]
+        assert prep.call_args.kwargs["tasks"] == ["rfa_bbc_topic"]
+        assert ours.with_offline_tasks(["--tasks=hf_rfa_offline", "--include_path", "mine"]) == ["--tasks=hf_rfa_offline", "--include_path", "mine:TASKS"]
+        assert ours.with_offline_tasks(["--tasks", "rfa_bbc_topic", "--include_path=mine"]) == ["--tasks", "rfa_bbc_topic", "--include_path=mine:TASKS"]
