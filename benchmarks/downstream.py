@@ -97,6 +97,9 @@ def main(argv=None) -> None:
         scores[name] = {t: _score(lm, t, a.limit_manyshot if "manyshot" in t else a.limit, tm) for t in tasks}
         logger.info("%s: %s (%.0f s)", name, {t: s["acc"] for t, s in scores[name].items()}, time.perf_counter() - start)
         del lm
+        if a.out:  # kept after every model, so an interrupted run leaves what it measured
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).with_suffix(".json").write_text(json.dumps(scores, indent=1))
     table = _table(scores, a)
     print(table)
     if a.out:
