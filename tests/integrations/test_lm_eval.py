@@ -89,6 +89,19 @@ def test_hf_rfa_model_entry_matches_own_scoring(folders, own, softmax_lls):
     _assert_same(_summary(res), own, softmax_lls)
 
 
+def test_stock_hf_entry_after_import_hf_rfa_matches_own_scoring(folders, own, softmax_lls):
+    """``--model hf`` in a process that imported hf_rfa: its load hook attaches the RFA layers."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    res = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={folders['saved']},dtype=float32", tasks=[fx.TASK],
+        task_manager=TaskManager(include_path=str(folders["tasks"]), include_defaults=False),
+        limit=LIMIT, device="cpu", batch_size=1, log_samples=True,
+    )
+    _assert_same(_summary(res), own, softmax_lls)
+
+
 CHILD = textwrap.dedent(
     r'''
     import importlib.abc, json, sys
