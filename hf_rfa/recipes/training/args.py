@@ -103,6 +103,7 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "keep the first N training examples (after tokenisation for causal-lm: blocks)"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "keep the first N evaluation examples / blocks"})
     pad_to_max_length: bool = field(default=False, metadata={"help": "classification: pad every example to max_seq_length (default: dynamic padding)"})
+    metric: list[str] = field(default_factory=lambda: ["accuracy"], metadata={"help": "classification: metrics to report, each evaluate.load(NAME) when it loads, else hf_rfa's offline accuracy / f1 / precision / recall (e.g. --metric accuracy f1)"})
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -116,6 +117,8 @@ class DataArguments:
         if not 0 <= self.validation_split_percentage < 100:
             raise ValueError(f"validation_split_percentage must be in [0, 100), got {self.validation_split_percentage!r}")
         _positive(self, "max_seq_length", "max_train_samples", "max_eval_samples")
+        if not self.metric or not all(isinstance(m, str) and m for m in self.metric):
+            raise ValueError(f"metric must name at least one metric (e.g. accuracy f1), got {self.metric!r}")
 
 
 @dataclass

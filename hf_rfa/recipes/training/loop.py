@@ -33,7 +33,7 @@ import torch
 from ...hf.convert import redraw, rfa_config_of
 from .args import DataArguments, LoopArguments, ModelArguments, RFAArguments
 from .data import prepare
-from .metrics import accuracy, perplexity
+from .metrics import classification_metrics_for, perplexity
 from .modeling import apply_lora, build_model, load_tokenizer, projection_fingerprint, save_final
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,8 @@ def _param_groups(model, weight_decay: float):
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, dataloader, task: str) -> dict[str, float]:
-    """Accuracy (classification) and mean loss / perplexity over the whole evaluation set."""
+def evaluate(accelerator, model, dataloader, task: str, metric: tuple[str, ...] | list[str] = ("accuracy",), num_labels: int | None = None) -> dict[str, float]:
+    """The ``metric`` values (classification) and mean loss / perplexity over the whole evaluation set."""
     model.eval()
     losses, preds, refs = [], [], []
     for batch in dataloader:
@@ -201,7 +201,10 @@ def evaluate(accelerator, model, dataloader, task: str) -> dict[str, float]:
     loss = torch.cat(losses).mean().item()
     metrics = {"eval_loss": loss}
     if task == "classification":
-        metrics["eval_accuracy"] = accuracy(torch.cat(preds).numpy(), torch.cat(refs).numpy())
+        from types import SimpleNamespace
+
+        scores = classification_metrics_for(metric, num_labels)(SimpleNamespace(predictions=torch.cat(preds).numpy(), label_ids=torch.cat(refs).numpy()))
+        metrics.update({f"eval_{k}": v for k, v in scores.items()})
     else:
         metrics["eval_perplexity"] = perplexity(loss)
     return metrics
@@ -321,7 +324,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
             if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
                 save_checkpoint(accelerator, state, os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.completed_steps}"))
             if eval_dl is not None and args.eval_steps and state.completed_steps % args.eval_steps == 0:
-                metrics = evaluate(accelerator, model, eval_dl, data_args.task)
+                metrics = evaluate(accelerator, model, eval_dl, data_args.task, data_args.metric, len(data.label_names or []) or None)
                 logger.info("step %d: %s", state.completed_steps, metrics)
             if state.completed_steps >= max_steps:
                 break
@@ -332,7 +335,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     train_time = time.perf_counter() - start
 
     if eval_dl is not None:
-        metrics = evaluate(accelerator, model, eval_dl, data_args.task)
+        metrics = evaluate(accelerator, model, eval_dl, data_args.task, data_args.metric, len(data.label_names or []) or None)
     results = {
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,

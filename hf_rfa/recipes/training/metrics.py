@@ -1,4 +1,5 @@
-"""Offline metrics: accuracy and perplexity computed here (``evaluate.load`` needs the Hub)."""
+"""Metrics of the training recipes: accuracy and perplexity computed here; ``--metric NAME`` through
+``evaluate`` with the offline fallback (:mod:`hf_rfa.integrations.metrics`)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,10 @@ def classification_metrics(eval_pred) -> dict[str, float]:
     """Trainer ``compute_metrics`` for classification (after :func:`argmax_logits`)."""
     preds, labels = eval_pred.predictions, eval_pred.label_ids
     return {"accuracy": accuracy(preds, labels)}
+
+
+def classification_metrics_for(names, num_labels: int | None = None):
+    """Trainer ``compute_metrics`` for the ``--metric`` names (``evaluate`` when it loads, else offline)."""
+    from ...integrations.metrics import classification_metrics as build
+
+    return build(list(names), num_labels)

@@ -17,7 +17,7 @@ from ... import compat
 from .callbacks import RedrawCallback
 from .args import DataArguments, ModelArguments, RFAArguments
 from .data import prepare
-from .metrics import argmax_logits, classification_metrics, perplexity
+from .metrics import argmax_logits, classification_metrics_for, perplexity
 from .modeling import apply_lora, build_model, load_tokenizer, projection_fingerprint, save_final
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
         eval_dataset=data.eval,
         data_collator=data.collator,
         processing_class=tokenizer,
-        compute_metrics=classification_metrics if classification else None,
+        compute_metrics=classification_metrics_for(data_args.metric, len(data.label_names or []) or None) if classification else None,
         preprocess_logits_for_metrics=argmax_logits if classification else None,
         callbacks=[redraw_cb],
     )
