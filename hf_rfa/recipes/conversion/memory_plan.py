@@ -13,6 +13,8 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   evaluation one window's logits;
 - **decode cache**: the constant-size RFA state of the converted model next to the softmax KV
   cache at the longest evaluation context;
+- **upcast copy**: on a CPU without bf16 matrix hardware, low-precision weights are multiplied
+  in float32 one layer at a time (:func:`.devices.float32_compute`): the largest weight's copy;
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
   transformers); on CUDA, an allowance for the CUDA context.
 
@@ -192,6 +194,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     out = MemoryPlan(cfg.model, cfg.dtype, str(device), processes, sharding, n, cfg.batch_size,
                      counts={"frozen": p_orig, "feature maps": p_rfa, "trainable maps": p_train, "LoRA": p_lora})
     base = {"runtime": runtime, "weights": weights}
+    if devices.needs_float32_compute(device, wdtype):  # bf16 storage, float32 matmuls: one weight's float32 copy at a time
+        base["upcast copy"] = 4 * max(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     if p_train and cfg.transfer_tokens > 0:
         out.parts["transfer"] = {**base, **_transfer(cfg, g, b, n, ab, feat, p_train, len(layers))}
     if p_lora and config_is_causal(config):
