@@ -27,7 +27,7 @@ PARTS = ("_band_unit", "_band_partial", "_feature_unit", "_combine", "_scatter_b
 
 def _instrument(times: dict) -> list:
     """Wrap :data:`PARTS` in ``hf_rfa.ops.hybrid_recompute`` with timers; returns the originals."""
-    from hf_rfa.ops import hybrid_recompute as hr
+    from hf_rfa.ops.hybrid import function as hr
 
     saved = []
     for name in PARTS:
@@ -47,7 +47,7 @@ def _instrument(times: dict) -> list:
 
 def measure(n: int, repeats: int, seed: int = 0) -> dict:
     import hf_rfa
-    from hf_rfa.ops import hybrid_recompute as hr
+    from hf_rfa.ops.hybrid import function as hr
 
     fm = hf_rfa.build_feature_map("hedgehog", head_dim=64, num_features=64, seed=seed, hybrid_mix=True)
     fm.enable_decay(128.0)

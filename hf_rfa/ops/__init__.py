@@ -23,7 +23,7 @@
 from .attention import random_feature_attention
 from .backends.causal_infer import release_workspaces
 from .backends.native import set_native
-from .linear import bidirectional_linear, causal_linear, shift_keys
+from .feature.linear import bidirectional_linear, causal_linear, shift_keys
 from .partial import Partial, finalize, merge
 from .recurrent import LinearState, fold, read
 from .reference import quadratic_kernel_attention, softmax_attention

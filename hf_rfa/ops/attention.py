@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from .backends import honoured, native, resolve
-from .bidirectional import bidirectional_feature_attention
-from .fused import causal_feature_attention, fold_keys
-from .hybrid import exact_local, exact_local_last
-from .hybrid_recompute import hybrid_attention
-from .linear import bidirectional_linear, causal_linear, shift_keys
+from .feature.bidirectional import bidirectional_feature_attention
+from .feature.fused import causal_feature_attention, fold_keys
+from .band.exact import exact_local, exact_local_last
+from .hybrid.function import hybrid_attention
+from .feature.linear import bidirectional_linear, causal_linear, shift_keys
 from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import check_memory_args, memory_attention
 from .partial import Partial, finalize, last_rows, merge

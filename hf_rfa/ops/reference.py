@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .masks import NEG, check_feature_inputs, key_mask_bool, no_autocast, sink_mask, validate_qkv
-from .memory_scores import _round_log2, value_norm
+from .memory.scores import _round_log2, value_norm
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap

@@ -9,8 +9,8 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.hybrid import exact_local
-from hf_rfa.ops.fused import causal_feature_attention
+from hf_rfa.ops.band.exact import exact_local
+from hf_rfa.ops.feature.fused import causal_feature_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
 

@@ -33,13 +33,13 @@ from typing import Callable
 
 import torch
 
-from .backends import honours_backend, resolve
-from .fused import causal_feature_attention
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
-from .partial import Partial, finalize, merge
-from .recurrent import LinearState, fold, read
+from ..backends import honours_backend, resolve
+from ..feature.fused import causal_feature_attention
+from ..masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
+from ..partial import Partial, finalize, merge
+from ..recurrent import LinearState, fold, read
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # "hf_rfa.ops.decode"
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrent import LinearState, read
+from ..recurrent import LinearState, read
 
 #: the selection compares ``log2 ‖v‖`` rounded to multiples of 2**-SCORE_BITS (≈ 0.07 % for 10)
 SCORE_BITS = 10

@@ -67,13 +67,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .backends import native
-from .decode import DecodeState, _exact_part, _join_sinks
-from .hybrid import exact_local
-from .masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
-from .partial import Partial, finalize, merge
-from .memory_scores import MEMORY_SCORES, feature_error, recall_error, value_norm
-from .recurrent import LinearState, decay, fold, read
+from ..backends import native
+from ..decode.continuation import DecodeState, _exact_part, _join_sinks
+from ..band.exact import exact_local
+from ..masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, exp_floor, guard_continuation, no_autocast, sink_positions, to_output_dtype, validate_qkv
+from ..partial import Partial, finalize, merge
+from .scores import MEMORY_SCORES, feature_error, recall_error, value_norm
+from ..recurrent import LinearState, decay, fold, read
 
 #: largest ``memory`` (keys per kv head)
 MAX_MEMORY = 65536
@@ -462,7 +462,7 @@ def _dispatch(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: 
     (:func:`hf_rfa.ops.memory_periods.run_periods`) for calls of more than one period's tokens
     and by the sequential form for shorter ones (decoding steps)."""
     if q.shape[2] > memory_every:
-        from .memory_periods import run_periods  # it builds on this module's helpers
+        from .periods import run_periods  # it builds on this module's helpers
 
         return run_periods(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
     return _run(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)

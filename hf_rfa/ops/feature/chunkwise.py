@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import NEG, needs_grad
+from ..masks import NEG, needs_grad
 
 #: one block's ``(qf, lq, kf, lk, v)``
 Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from .masks import NEG
-from .memory import MemoryState, _exact_terms, _features, _finish, _gather, _pending_part, _prepare, _select, recall_error
-from .partial import Partial, merge
-from .recurrent import LinearState, fold
+from ..masks import NEG
+from .attention import MemoryState, _exact_terms, _features, _finish, _gather, _pending_part, _prepare, _select, recall_error
+from ..partial import Partial, merge
+from ..recurrent import LinearState, fold
 
 #: periods answered at once in step 2 (bounds its intermediates: ~PERIOD_BLOCK·E·H·(M + F + E) floats)
 PERIOD_BLOCK = 8

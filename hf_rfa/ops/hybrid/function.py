@@ -36,14 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import native
-from .hybrid import BandPlan, band_plan
-from .masks import exp_floor, no_autocast
-from .partial import Partial, finalize, merge
-from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, own_params, param_leaves, with_params
-from .recurrent import LinearState
-from .rotary import unrotate, unrotate_adjoint
-from .scan import ScanSpec, plan_blocks, state_matrix
+from ..backends import native
+from ..band.exact import BandPlan, band_plan
+from ..masks import exp_floor, no_autocast
+from ..partial import Partial, finalize, merge
+from ..band.recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, own_params, param_leaves, with_params
+from ..recurrent import LinearState
+from ..rotary import unrotate, unrotate_adjoint
+from ..feature.scan import ScanSpec, plan_blocks, state_matrix
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import NEG, exp_floor, needs_grad, sink_positions
-from .partial import Partial, last_rows
+from ..masks import NEG, exp_floor, needs_grad, sink_positions
+from ..partial import Partial, last_rows
 
 
 def _gather_keys(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

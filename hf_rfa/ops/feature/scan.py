@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from .backends import kernels
-from .backends.causal_infer import BlockWorkspace, causal_block_into, workspace
+from ..backends import kernels
+from ..backends.causal_infer import BlockWorkspace, causal_block_into, workspace
 from .chunkwise import Block, block_step
-from .partial import Partial, finalize
-from .recurrent import LinearState
+from ..partial import Partial, finalize
+from ..recurrent import LinearState
 
 #: tokens per block of the causal form (rounded down to a multiple of the chunk size)
 DEFAULT_BLOCK_SIZE = 512

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from .chunkwise import Block
-from .masks import needs_grad
-from .partial import Partial
-from .recurrent import LinearState
+from ..masks import needs_grad
+from ..partial import Partial
+from ..recurrent import LinearState
 from .scan import causal_scan, plan_blocks, split_tokens
 
 

@@ -20,10 +20,10 @@ import functools
 
 import torch
 
-from .hybrid import BandPlan, gather_sinks
-from .masks import NEG, exp_floor, no_autocast
-from .chunkwise import block_features, block_step
-from .scan import ScanSpec, split_tokens
+from .exact import BandPlan, gather_sinks
+from ..masks import NEG, exp_floor, no_autocast
+from ..feature.chunkwise import block_features, block_step
+from ..feature.scan import ScanSpec, split_tokens
 
 
 def _leaf(x: torch.Tensor | None) -> torch.Tensor | None:

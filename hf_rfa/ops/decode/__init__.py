@@ -1,0 +1,5 @@
+"""Incremental causal attention: a constant-size state continued by new tokens (generation)."""
+
+from .continuation import DecodeState, continue_attention
+
+__all__ = ["DecodeState", "continue_attention"]
