@@ -21,12 +21,13 @@ import time
 
 import torch
 
-#: the helpers of hybrid_recompute that are timed (each wraps a part of forward and/or backward)
-PARTS = ("_band_unit", "_band_partial", "_feature_unit", "_combine", "_scatter_band_grads", "_scatter_feature_grads", "_feature_inputs", "_block_queries", "_grads")
+#: the helpers the recomputing hybrid (hf_rfa.ops.hybrid.function) calls that are timed (each wraps a
+#: part of forward and/or backward)
+PARTS = ("band_unit", "band_partial", "feature_unit", "combine", "_scatter_band_grads", "_scatter_feature_grads", "feature_inputs", "block_queries", "grads")
 
 
 def _instrument(times: dict) -> list:
-    """Wrap :data:`PARTS` in ``hf_rfa.ops.hybrid_recompute`` with timers; returns the originals."""
+    """Wrap :data:`PARTS` in ``hf_rfa.ops.hybrid.function`` with timers; returns the originals."""
     from hf_rfa.ops.hybrid import function as hr
 
     saved = []
@@ -77,7 +78,7 @@ def measure(n: int, repeats: int, seed: int = 0) -> dict:
     finally:
         for name, fn in saved:
             setattr(hr, name, fn)
-    parts = {("autograd.grad" if k_ == "_grads" else k_.lstrip("_")): round(v_ / repeats * 1e3, 1) for k_, v_ in sorted(times.items(), key=lambda x: -x[1])}
+    parts = {("autograd.grad" if k_ == "grads" else k_.lstrip("_")): round(v_ / repeats * 1e3, 1) for k_, v_ in sorted(times.items(), key=lambda x: -x[1])}
     return {"n": n, "ms_per_call": round(total / repeats * 1e3, 1), "backward_ms": round(backward / repeats * 1e3, 1), "parts_ms": parts, "threads": torch.get_num_threads()}
 
 

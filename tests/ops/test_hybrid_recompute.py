@@ -11,7 +11,7 @@ import torch
 import hf_rfa
 from hf_rfa.ops import attention
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.hybrid.function import _window_slice
+from hf_rfa.ops.hybrid.blocks import window_slice as _window_slice
 from conftest import rel
 from tolerances import GRAD_FP32, GRAD_FP64
 

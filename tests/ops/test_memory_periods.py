@@ -9,7 +9,8 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops.memory import periods as memory_periods
-from hf_rfa.ops.memory.attention import MemoryState, _run
+from hf_rfa.ops.memory import MemoryState
+from hf_rfa.ops.memory.sequential import run_sequential as _run
 from hf_rfa.ops.memory.periods import run_periods
 from conftest import rel
 

@@ -28,7 +28,7 @@ gates since it arrived), so it enters the state with the same weight ``Π g`` th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -38,154 +38,9 @@ from ..feature.fused import causal_feature_attention
 from ..masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
 from ..partial import Partial, finalize, merge
 from ..recurrent import LinearState, fold, read
+from .state import DecodeState, exact_part, join_sinks
 
 logger = logging.getLogger(__package__)  # "hf_rfa.ops.decode"
-
-
-@dataclass
-class DecodeState:
-    """The past of one causal layer, summarised (B batch rows, Hkv kv heads, Wc ≤ W kept keys).
-
-    linear:      :class:`LinearState` of every key older than the window (sinks excluded).
-    win_k:       ``[B, Hkv, Wc, D]`` raw keys of the last Wc positions (input dtype).
-    win_v:       ``[B, Hkv, Wc, Dv]`` their values.
-    win_real:    ``[B, Wc]`` bool, the position holds a real (non-padding) token.
-    win_feat:    ``[B, Wc]`` bool, real and not a sink: enters the feature state when evicted.
-    win_decay:   ``[B, Hkv, Wc]`` accumulated log gate since each kept key arrived (0 ungated).
-    sink_k:      ``[B, Hkv, S, D]`` keys of the first S real tokens (zeros where none yet).
-    sink_v:      ``[B, Hkv, S, Dv]`` their values.
-    sink_pos:    ``[B, S]`` long, their absolute positions.
-    sink_exists: ``[B, S]`` bool, the slot is filled.
-    real_count:  ``[B]`` long, real tokens seen so far (ranks new sinks).
-    nonfinite:   ``[B, Hkv]`` bool, a real key/value seen so far held a NaN/±inf (it was zeroed
-                 before entering the state; every later row of that head is NaN, as in softmax).
-    seen:        positions seen so far, padding included (the sequence length).
-    win_kf:      ``[B, Hkv, Wc, D]`` the feature part's keys of the kept positions (``feature_k``,
-                 e.g. un-rotated keys), or None when the feature part reads the keys themselves
-                 or derives them from ``win_k`` (``continue_attention(feature_key_fn=)``: the
-                 state is then exactly the plain one, nothing per layer added).
-    """
-
-    linear: LinearState
-    win_k: torch.Tensor
-    win_v: torch.Tensor
-    win_real: torch.Tensor
-    win_feat: torch.Tensor
-    win_decay: torch.Tensor
-    sink_k: torch.Tensor
-    sink_v: torch.Tensor
-    sink_pos: torch.Tensor
-    sink_exists: torch.Tensor
-    real_count: torch.Tensor
-    nonfinite: torch.Tensor
-    seen: int = 0
-    win_kf: torch.Tensor | None = None
-
-    @classmethod
-    def empty(
-        cls,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        value_dim: int,
-        feature_dim: int,
-        sinks: int,
-        dtype: torch.dtype,
-        device=None,
-        compute_dtype: torch.dtype = torch.float32,
-        feature_keys: bool = False,
-    ) -> "DecodeState":
-        """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``;
-        ``feature_keys``: also keep the window's feature-part keys (``continue_attention(feature_k=)``;
-        not for ``feature_key_fn=``, which derives them from the kept keys)."""
-        b, h = batch, kv_heads
-        return cls(
-            linear=LinearState.zeros(b, h, feature_dim, value_dim, device=device, dtype=compute_dtype),
-            win_k=torch.zeros(b, h, 0, head_dim, dtype=dtype, device=device),
-            win_v=torch.zeros(b, h, 0, value_dim, dtype=dtype, device=device),
-            win_real=torch.zeros(b, 0, dtype=torch.bool, device=device),
-            win_feat=torch.zeros(b, 0, dtype=torch.bool, device=device),
-            win_decay=torch.zeros(b, h, 0, dtype=compute_dtype, device=device),
-            sink_k=torch.zeros(b, h, sinks, head_dim, dtype=dtype, device=device),
-            sink_v=torch.zeros(b, h, sinks, value_dim, dtype=dtype, device=device),
-            sink_pos=torch.zeros(b, sinks, dtype=torch.long, device=device),
-            sink_exists=torch.zeros(b, sinks, dtype=torch.bool, device=device),
-            real_count=torch.zeros(b, dtype=torch.long, device=device),
-            nonfinite=torch.zeros(b, h, dtype=torch.bool, device=device),
-            seen=0,
-            win_kf=torch.zeros(b, h, 0, head_dim, dtype=dtype, device=device) if feature_keys else None,
-        )
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the state by name (the linear state's under ``linear.*``)."""
-        out = {f"linear.{f.name}": getattr(self.linear, f.name) for f in fields(LinearState)}
-        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("linear", "seen") and getattr(self, f.name) is not None})
-        return out
-
-    def map_batch(self, fn) -> "DecodeState":
-        """Apply ``fn`` to the batch axis (dim 0) of every tensor: reorder, select, repeat."""
-        lin = LinearState(*(fn(getattr(self.linear, f.name)) for f in fields(LinearState)))
-        rest = {f.name: (fn(getattr(self, f.name)) if getattr(self, f.name) is not None else None) for f in fields(self) if f.name not in ("linear", "seen")}
-        return DecodeState(linear=lin, seen=self.seen, **rest)
-
-    def nbytes(self) -> int:
-        """Bytes held by the state (independent of the context length)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-
-def _exact_part(
-    xq: torch.Tensor,
-    xk: torch.Tensor,
-    v: torch.Tensor,
-    real: torch.Tensor,
-    q0: int,
-    pos0: int,
-    window: int,
-    sink_k: torch.Tensor | None,
-    sink_v: torch.Tensor | None,
-    sink_pos: torch.Tensor | None,
-    sink_ok: torch.Tensor | None,
-    chunk_size: int,
-) -> Partial:
-    """Exact softmax over the window band and the sinks, for the new queries only.
-
-    xq ``[B, Hkv, G, n, D]`` (local indices ``q0 … q0+n-1``), xk ``[B, Hkv, L, D]``, v
-    ``[B, Hkv, L, Dv]`` and real ``[B, L]`` of the local block (local index i is absolute position
-    ``pos0 + i``); sink_k/v ``[B, Hkv, S, ·]`` (already scaled keys), sink_pos/sink_ok ``[B, S]``.
-    """
-    b, hkv, g, n, _ = xq.shape
-    dev = xq.device
-    nums, dens, lss = [], [], []
-    for a0 in range(0, n, chunk_size):
-        a1 = min(n, a0 + chunk_size)
-        qc = xq[:, :, :, a0:a1]
-        t = torch.arange(q0 + a0, q0 + a1, device=dev).view(-1, 1)  # local query indices [C,1]
-        parts_s, parts_v, parts_ok = [], [], []
-        if window > 0:
-            lo, hi = max(0, q0 + a0 - window + 1), q0 + a1
-            s = torch.arange(lo, hi, device=dev).view(1, -1)
-            band = (s <= t) & (s > t - window)  # [C,K]
-            parts_s.append(qc @ xk[:, :, lo:hi].unsqueeze(2).transpose(-1, -2))  # [B,Hkv,G,C,K]
-            parts_v.append(v[:, :, lo:hi])
-            parts_ok.append(band.unsqueeze(0) & real[:, None, lo:hi])
-        if sink_k is not None:
-            tt = (t.view(1, -1, 1) + pos0)  # absolute query positions [1,C,1]
-            sp = sink_pos.unsqueeze(1)  # [B,1,S]
-            ok = sink_ok.unsqueeze(1) & (sp <= tt)
-            if window > 0:
-                ok = ok & ~(sp > tt - window)
-            parts_s.append(qc @ sink_k.unsqueeze(2).transpose(-1, -2))  # [B,Hkv,G,C,S]
-            parts_v.append(sink_v)
-            parts_ok.append(ok)
-        scores = torch.cat(parts_s, dim=-1)
-        ok = torch.cat(parts_ok, dim=-1)[:, None, None]  # [B,1,1,C,K+S]
-        vals = torch.cat(parts_v, dim=-2)
-        r = torch.where(ok, scores, torch.full_like(scores, NEG)).amax(-1).detach()
-        p = torch.exp(torch.where(ok, scores - r.unsqueeze(-1), torch.full_like(scores, NEG)))
-        nums.append(p @ vals.unsqueeze(2))
-        dens.append(p.sum(-1))
-        lss.append(r)
-    return Partial(torch.cat(nums, dim=-2), torch.cat(dens, dim=-1), torch.cat(lss, dim=-1))
 
 
 def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size) -> tuple[int, int, int, int, int, int]:
@@ -220,27 +75,6 @@ def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sin
         raise ValueError(f"attention_mask must be [B, n] = [{b}, {n}] for the new tokens, got {tuple(getattr(attention_mask, 'shape', ()))}")
     return b, h, n, d, hkv, dv
 
-
-def _join_sinks(state: DecodeState, k: torch.Tensor, v: torch.Tensor, km: torch.Tensor, sinks: int, p0: int):
-    """New real tokens ranked below S join the sink set: ``(sink_k, sink_v, sink_pos,
-    sink_exists, new_sink [B, n])`` from the state's sinks and new keys/values ``[B, Hkv, n, ·]``."""
-    sink_k, sink_v, sink_pos, sink_exists = state.sink_k, state.sink_v, state.sink_pos, state.sink_exists
-    new_sink = torch.zeros_like(km)
-    if sinks == 0:
-        return sink_k, sink_v, sink_pos, sink_exists, new_sink
-    b, hkv, _, d = k.shape
-    rank = state.real_count.view(b, 1) + torch.cumsum(km.long(), -1) - 1  # [B,n]
-    new_sink = km & (rank < sinks)
-    hit = new_sink.unsqueeze(1) & (rank.unsqueeze(1) == torch.arange(sinks, device=k.device).view(1, -1, 1))  # [B,S,n]
-    filled = hit.any(-1)  # [B,S]
-    idx = hit.long().argmax(-1)  # [B,S]
-    gk = torch.gather(k, 2, idx[:, None, :, None].expand(b, hkv, sinks, d))
-    gv = torch.gather(v, 2, idx[:, None, :, None].expand(b, hkv, sinks, v.shape[-1]))
-    f4 = filled[:, None, :, None]
-    sink_k = torch.where(f4, gk.to(sink_k.dtype), sink_k)
-    sink_v = torch.where(f4, gv.to(sink_v.dtype), sink_v)
-    sink_pos = torch.where(filled, idx + p0, sink_pos)
-    return sink_k, sink_v, sink_pos, sink_exists | filled, new_sink
 
 
 def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg, win_decay, e: int, g: int, chunk_size: int, be: str, grad: bool, backend: str):
@@ -287,6 +121,7 @@ def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg
         torch.cat([p.log_scale for p in feats], dim=-1),
     )
     return part, linear
+
 
 
 @no_autocast
@@ -343,8 +178,58 @@ def continue_attention(
     output is clamped to float16's range.
     """
     b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
-    derive = feature_key_fn is not None
-    if derive:
+    feature_q, feature_k = _check_feature_inputs(state, q, k, feature_q, feature_k, feature_key_fn)
+    if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
+        return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
+    scale = d**-0.5 if scale is None else float(scale)
+    km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
+    q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
+    blk = _local_block(state, q, k, v, km, feature_q, feature_k, feature_key_fn, poison, nonfinite, sinks, scale**0.5)
+    params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
+    grad = needs_grad(q, k, v, *state.tensors().values(), *params)
+    # a named backend is checked (and refused) here, as by the prefill op; "auto" is resolved
+    # only where a feature scan runs (a decoding step is the recurrent form: no kernel to choose)
+    be = resolve(backend, grad=grad, causal=True, device=q.device, dtype=blk.ct) if backend != "auto" else backend
+    out, linear, win_decay = _attend(state, blk, feature_map, window, sinks, chunk_size, (be, grad, backend))
+    if blk.poison is not None:
+        out = out.masked_fill(blk.poison[..., None], float("nan"))
+    return to_output_dtype(out, q.dtype), _next_state(state, blk, linear, win_decay, window, feature_key_fn is not None)
+
+
+@dataclass
+class _Block:
+    """The local block of a call: the kept window followed by the ``n`` new tokens (local index i
+    at absolute position ``pos0 + i``), scaled for the scores, with the sinks after the new tokens
+    joined and the rows to poison."""
+
+    b: int
+    h: int
+    n: int
+    hkv: int
+    wc: int
+    pos0: int
+    ct: torch.dtype
+    km: torch.Tensor  # [B, n] bool
+    lk_raw: torch.Tensor  # [B, Hkv, L, D] keys (state dtype)
+    lv_raw: torch.Tensor  # [B, Hkv, L, Dv]
+    lkf_raw: torch.Tensor | None  # [B, Hkv, L, D] the feature part's keys, or None
+    real: torch.Tensor  # [B, L] bool
+    feat: torch.Tensor  # [B, L] bool: real, not a sink
+    sink: tuple  # (sink_k, sink_v, sink_pos, sink_exists)
+    xq: torch.Tensor  # [B, H, n, D] queries · √scale (compute dtype)
+    xk: torch.Tensor  # [B, Hkv, L, D] keys · √scale
+    vv: torch.Tensor  # [B, Hkv, L, Dv] values (compute dtype)
+    xq_f: torch.Tensor  # the feature part's queries · √scale
+    xk_f: torch.Tensor  # the feature part's keys · √scale
+    root: float
+    poison: torch.Tensor | None  # [B, H, n] rows made NaN
+    nonfinite: torch.Tensor  # [B, Hkv] the head saw a non-finite key/value
+
+
+def _check_feature_inputs(state: DecodeState, q, k, feature_q, feature_k, feature_key_fn) -> tuple:
+    """``(feature_q, feature_k)`` of :func:`continue_attention` checked against each other, the
+    state and ``feature_key_fn`` (ValueError naming the argument)."""
+    if feature_key_fn is not None:
         if not callable(feature_key_fn):
             raise ValueError(f"feature_key_fn must be a callable [B, Hkv, L, D] -> [B, Hkv, L, D] or None, got {type(feature_key_fn).__name__}")
         if feature_k is not None:
@@ -354,56 +239,65 @@ def continue_attention(
         if state.win_kf is not None:
             raise ValueError("feature_key_fn: the state keeps feature keys (win_kf); build it with DecodeState.empty(feature_keys=False)")
         feature_q, _ = check_feature_inputs(q, k, feature_q, k)
-    else:
-        feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
-        if (feature_k is None) != (state.win_kf is None):
-            raise ValueError(
-                "feature_q/feature_k must be given exactly when the state keeps feature keys "
-                f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
-                + ("; or pass feature_key_fn= with a state without them" if feature_k is None else "")
-            )
-    if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
-        return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
-    scale = d**-0.5 if scale is None else float(scale)
-    root = scale**0.5
-    ct = state.linear.S.dtype
-    g = h // hkv
-    dev = q.device
-    km = torch.ones(b, n, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
-    q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
-    p0, wc = state.seen, state.win_k.shape[2]
-    pos0 = p0 - wc  # absolute position of local index 0
-    # the local block: kept window + new tokens
-    lk_raw = torch.cat([state.win_k, k.to(state.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
-    lkf_raw = None  # the local block's feature keys (feature_k / feature_key_fn)
-    if derive:
+        return feature_q, None
+    feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
+    if (feature_k is None) != (state.win_kf is None):
+        raise ValueError(
+            "feature_q/feature_k must be given exactly when the state keeps feature keys "
+            f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
+            + ("; or pass feature_key_fn= with a state without them" if feature_k is None else "")
+        )
+    return feature_q, feature_k
+
+
+def _local_feature_keys(state: DecodeState, lk_raw, feature_k, feature_key_fn):
+    """The local block's feature keys ``[B, Hkv, L, D]`` (from ``feature_key_fn`` or the kept
+    ``win_kf`` + ``feature_k``), or None when the feature part reads the keys themselves."""
+    if feature_key_fn is not None:
         lkf_raw = feature_key_fn(lk_raw)
         if not isinstance(lkf_raw, torch.Tensor) or lkf_raw.shape != lk_raw.shape or not lkf_raw.is_floating_point() or lkf_raw.device != lk_raw.device:
             raise ValueError(
                 f"feature_key_fn must return a floating tensor of the local block's shape {tuple(lk_raw.shape)} on {lk_raw.device}, "
                 f"got {getattr(lkf_raw, 'dtype', type(lkf_raw).__name__)} {tuple(getattr(lkf_raw, 'shape', ()))}"
             )
-    elif feature_k is not None:
-        lkf_raw = torch.cat([state.win_kf, feature_k.to(state.win_kf.dtype)], dim=2)
-    if feature_q is not None:  # non-finite feature inputs: zeroed (padding too), rows poisoned like a bad q/k
-        # derived keys: the kept ones are derived again in every call, so every position of the
-        # block is checked (a kept bad one was counted when it arrived and is only zeroed again)
-        bad_q, bad_any = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(lkf_raw).all(-1)  # [B,H,n], [B,Hkv,L]
-        if bool(bad_q.any()) or bool(bad_any.any()):
-            bad_k = bad_any[..., wc:] & km[:, None, :]
-            feature_q = torch.where(bad_q[..., None], torch.zeros_like(feature_q), feature_q)
-            lkf_raw = torch.where(bad_any[..., None], torch.zeros_like(lkf_raw), lkf_raw)
-            seen_bad = (torch.cumsum(bad_k.long(), -1) > 0) | nonfinite[..., None]
-            rows = bad_q | seen_bad.repeat_interleave(h // hkv, 1)
-            poison = rows if poison is None else poison | rows
-            nonfinite = nonfinite | bad_k.any(-1)
+        return lkf_raw
+    if feature_k is not None:
+        return torch.cat([state.win_kf, feature_k.to(state.win_kf.dtype)], dim=2)
+    return None
 
-    sink_k, sink_v, sink_pos, sink_exists, new_sink = _join_sinks(state, k, v, km, sinks, p0)
 
+def _guard_feature_inputs(feature_q, lkf_raw, km, wc: int, h: int, poison, nonfinite):
+    """Non-finite feature inputs zeroed (padding too), their rows poisoned like a bad q/k: returns
+    ``(feature_q, lkf_raw, poison, nonfinite)``. Derived keys are derived again in every call, so
+    every position of the block is checked (a kept bad one was counted when it arrived and is only
+    zeroed again)."""
+    bad_q, bad_any = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(lkf_raw).all(-1)  # [B,H,n], [B,Hkv,L]
+    if bool(bad_q.any()) or bool(bad_any.any()):
+        hkv = lkf_raw.shape[1]
+        bad_k = bad_any[..., wc:] & km[:, None, :]
+        feature_q = torch.where(bad_q[..., None], torch.zeros_like(feature_q), feature_q)
+        lkf_raw = torch.where(bad_any[..., None], torch.zeros_like(lkf_raw), lkf_raw)
+        seen_bad = (torch.cumsum(bad_k.long(), -1) > 0) | nonfinite[..., None]
+        rows = bad_q | seen_bad.repeat_interleave(h // hkv, 1)
+        poison = rows if poison is None else poison | rows
+        nonfinite = nonfinite | bad_k.any(-1)
+    return feature_q, lkf_raw, poison, nonfinite
+
+
+def _local_block(state: DecodeState, q, k, v, km, feature_q, feature_k, feature_key_fn, poison, nonfinite, sinks: int, root: float) -> _Block:
+    """The call's :class:`_Block` from guarded, finite q/k/v and the checked feature inputs."""
+    b, h, n, _ = q.shape
+    hkv = k.shape[1]
+    ct = state.linear.S.dtype
+    p0, wc = state.seen, state.win_k.shape[2]
+    lk_raw = torch.cat([state.win_k, k.to(state.win_k.dtype)], dim=2)  # [B,Hkv,L,D]
+    lkf_raw = _local_feature_keys(state, lk_raw, feature_k, feature_key_fn)
+    if feature_q is not None:
+        feature_q, lkf_raw, poison, nonfinite = _guard_feature_inputs(feature_q, lkf_raw, km, wc, h, poison, nonfinite)
+    sink_k, sink_v, sink_pos, sink_exists, new_sink = join_sinks(state, k, v, km, sinks, p0)
     lv_raw = torch.cat([state.win_v, v.to(state.win_v.dtype)], dim=2)
     real = torch.cat([state.win_real, km], dim=1)  # [B,L]
     feat = torch.cat([state.win_feat, km & ~new_sink], dim=1)
-    big_l = wc + n
     xq = q.to(ct) * root
     xk = lk_raw.to(ct) * root
     vv = lv_raw.to(ct)
@@ -411,61 +305,68 @@ def continue_attention(
         xq_f, xk_f = xq, xk
     else:
         xq_f, xk_f = feature_q.to(ct) * root, lkf_raw.to(ct) * root
+    return _Block(b, h, n, hkv, wc, p0 - wc, ct, km, lk_raw, lv_raw, lkf_raw, real, feat, (sink_k, sink_v, sink_pos, sink_exists),
+                  xq, xk, vv, xq_f, xk_f, root, poison, nonfinite)
 
-    params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
-    grad = needs_grad(q, k, v, *state.tensors().values(), *params)
-    # a named backend is checked (and refused) here, as by the prefill op; "auto" is resolved
-    # only where a feature scan runs (a decoding step is the recurrent form: no kernel to choose)
-    be = resolve(backend, grad=grad, causal=True, device=dev, dtype=ct) if backend != "auto" else backend
+
+def _attend(state: DecodeState, blk: _Block, feature_map, window: int, sinks: int, chunk_size: int, backends: tuple) -> tuple:
+    """The new queries' output ``[B, H, n, Dv]`` (compute dtype), the new linear state and the kept
+    keys' log decays ``[B, Hkv, L]``; ``backends``: ``(resolved or "auto", grad, requested)``."""
+    b, hkv, n, ct, dev = blk.b, blk.hkv, blk.n, blk.ct, blk.xq.device
+    g = blk.h // hkv
+    sink_k, sink_v, sink_pos, sink_exists = blk.sink
     parts: list[Partial] = []
     if window > 0 or sinks > 0:
-        xs = sink_k.to(ct) * root if sinks > 0 else None
-        parts.append(_exact_part(
-            xq.reshape(b, hkv, g, n, d), xk, vv, real, wc, pos0, window,
+        xs = sink_k.to(ct) * blk.root if sinks > 0 else None
+        parts.append(exact_part(
+            blk.xq.reshape(b, hkv, g, n, -1), blk.xk, blk.vv, blk.real, blk.wc, blk.pos0, window,
             xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size,
         ))
-
     linear = state.linear
     win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
     cl = log1mg_all = None
     if feature_map.has_gate:  # log decay since the last processed token [B,Hkv,n]; padding never decays
-        logg, log1mg_all = feature_map.log_gate(xk_f)  # [B,Hkv,L]
-        cl = torch.cumsum(logg[..., wc:] * km[:, None, :], dim=-1)
+        logg, log1mg_all = feature_map.log_gate(blk.xk_f)  # [B,Hkv,L]
+        cl = torch.cumsum(logg[..., blk.wc :] * blk.km[:, None, :], dim=-1)
         # origin: just before the new tokens; kept keys carry the decay they have had so far
         win_decay = torch.cat([state.win_decay, -cl], dim=-1)
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
-    e = max(0, big_l - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
+    e = max(0, blk.wc + n - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
     if e > 0:
-        part, linear = _feature_part(feature_map, linear, xq_f, xk_f, vv, feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
+        be, grad, backend = backends
+        part, linear = _feature_part(feature_map, linear, blk.xq_f, blk.xk_f, blk.vv, blk.feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
         parts.append(part)
     if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]
         win_decay = win_decay + cl_total.unsqueeze(-1)
         linear = LinearState(linear.S, linear.z, linear.ref + cl_total, linear.log_gate_sum + cl_total)
-
     total = parts[0]
     for p in parts[1:]:
         total = merge(total, p)
-    out = finalize(total, feature_map.eps).reshape(b, h, n, -1)
-    if poison is not None:
-        out = out.masked_fill(poison[..., None], float("nan"))
-    out = to_output_dtype(out, q.dtype)
+    return finalize(total, feature_map.eps).reshape(b, blk.h, n, -1), linear, win_decay
 
+
+def _next_state(state: DecodeState, blk: _Block, linear: LinearState, win_decay, window: int, derive: bool) -> DecodeState:
+    """The state after the call: the last ``min(W, L)`` local keys kept, the new sinks and counts."""
+    big_l = blk.wc + blk.n
     keep = min(window, big_l)
-    new_state = DecodeState(
+    sink_k, sink_v, sink_pos, sink_exists = blk.sink
+    return DecodeState(
         linear=linear,
-        win_k=lk_raw[:, :, big_l - keep:],
-        win_v=lv_raw[:, :, big_l - keep:],
-        win_real=real[:, big_l - keep:],
-        win_feat=feat[:, big_l - keep:],
+        win_k=blk.lk_raw[:, :, big_l - keep:],
+        win_v=blk.lv_raw[:, :, big_l - keep:],
+        win_real=blk.real[:, big_l - keep:],
+        win_feat=blk.feat[:, big_l - keep:],
         win_decay=win_decay[..., big_l - keep:],
         sink_k=sink_k,
         sink_v=sink_v,
         sink_pos=sink_pos,
         sink_exists=sink_exists,
-        real_count=state.real_count + km.long().sum(-1),
-        nonfinite=nonfinite,
-        seen=p0 + n,
-        win_kf=lkf_raw[:, :, big_l - keep:] if lkf_raw is not None and not derive else None,
+        real_count=state.real_count + blk.km.long().sum(-1),
+        nonfinite=blk.nonfinite,
+        seen=state.seen + blk.n,
+        win_kf=blk.lkf_raw[:, :, big_l - keep:] if blk.lkf_raw is not None and not derive else None,
     )
-    return out, new_state
+
+
+__all__ = ["DecodeState", "continue_attention"]

@@ -22,8 +22,9 @@ from ..backends.causal_infer import BlockWorkspace
 from .chunkwise import Block, assemble_block, block_features, key_terms
 from ..masks import exp_floor, needs_grad
 from ..partial import Partial, finalize
-from ..band.recompute import ScanFunction, map_params
+from ..autograd import map_params
 from ..recurrent import LinearState, fold
+from .recompute import ScanFunction
 from .scan import ScanSpec, causal_scan, plan_blocks, split_tokens, state_matrix
 
 
