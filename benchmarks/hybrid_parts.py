@@ -1,12 +1,12 @@
 """Where the training time of one causal hybrid layer goes: the pieces of
-:class:`hf_rfa.ops.hybrid_recompute.HybridFunction` (forward and backward together).
+:class:`hf_rfa.ops.hybrid.function.HybridFunction` (forward and backward together).
 
     python benchmarks/hybrid_parts.py --n 1024 4096 --threads 1
 
 The main job's layer (SmolLM2-shaped: B=1, 9 query / 3 kv heads, D=64; Hedgehog m=64 + window 64 +
 4 sinks + decay half-life 128, the feature part reading q/k with a rotary embedding undone), seeded
 random q/k/v; one warm-up, then ``--repeats`` forward + backward calls. Each piece of the Function
-(module-level helpers of :mod:`hf_rfa.ops.hybrid_recompute`) is timed by a wrapper: its
+(module-level helpers of :mod:`hf_rfa.ops.hybrid.function`) is timed by a wrapper: its
 milliseconds per call of the layer, summed over the blocks and over forward and backward (the
 forward helpers run again in backward's recomputation). ``autograd.grad`` is the autograd backward
 of the recomputed scan and merge. One JSON line per N.

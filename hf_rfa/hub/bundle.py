@@ -77,6 +77,7 @@ BUNDLED_MODULES = (
     "hf_rfa.ops.recurrent",
     "hf_rfa.ops.reference",
     "hf_rfa.ops.rotary",
+    "hf_rfa.ops.spec",
 )
 
 

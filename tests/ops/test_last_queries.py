@@ -1,6 +1,6 @@
 """Causal calls whose queries are the last Nq < Nk positions (attention transfer's fitted queries,
 ``Captured.queries_ending_at``): the keys every query sees through the features are folded into the
-state at once (:func:`hf_rfa.ops.fused.fold_keys`) and only the last Nq rows are computed. Twin: the
+state at once (:func:`hf_rfa.ops.feature.fused.fold_keys`) and only the last Nq rows are computed. Twin: the
 same call with every position's query (the last Nq rows of its output), forward and gradients."""
 
 import pytest

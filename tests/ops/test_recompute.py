@@ -1,4 +1,4 @@
-"""Training forms that recompute in backward (``hf_rfa.ops.recompute``): the exact band
+"""Training forms that recompute in backward (``hf_rfa.ops.band.recompute``): the exact band
 (``BandFunction``) and the causal feature scan (``ScanFunction``) against their autograd forms
 (the reference twins of the backward), several blocks per sequence, padding, sinks, gates,
 learned maps; float64 gradcheck; saved bytes (saved-tensor hooks) linear in N and far below the

@@ -27,7 +27,7 @@ class BandFunction(torch.autograd.Function):
     stacked as rows: the band keys are read once per kv head, not once per query head); backward
     recomputes a block's probabilities and writes its gradients by hand (four batched matmuls and
     an overlap-add of the chunks' key bands) instead of an autograd graph per block. Its twin is the
-    autograd form :func:`hf_rfa.ops.hybrid.band_block` (``tests/ops/test_recompute.py``)."""
+    autograd form :func:`hf_rfa.ops.band.exact.band_block` (``tests/ops/test_recompute.py``)."""
 
     @staticmethod
     def forward(ctx, plan: BandPlan, xq, xk, v):
@@ -62,7 +62,7 @@ def unstack_rows(x: torch.Tensor, g: int, c: int) -> torch.Tensor:
 
 def _band_masks(plan: BandPlan, c0: int, c1: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Visible entries of the block's band ``[B,L,1,C,Kw]`` and sinks ``[B,L,1,C,S]`` (None when
-    absent), as in :func:`hf_rfa.ops.hybrid.band_block` (broadcast over the G rows)."""
+    absent), as in :func:`hf_rfa.ops.band.exact.band_block` (broadcast over the G rows)."""
     c, L = plan.c, c1 - c0
     band_ok = sink_ok = None
     if plan.window > 0:

@@ -5,10 +5,10 @@ grouped-query attention without materialising repeated K/V), ``kf [B, Hkv, N, F]
 for keys that must not contribute), ``v [B, Hkv, N, Dv]``, and optional log scales ``lq
 [B, Hkv, G, N]``, ``lk [B, Hkv, N]`` (NEG for skipped keys). Outputs are :class:`Partial`\\ s.
 
-The causal form runs the block scan of :mod:`hf_rfa.ops.scan` (one block:
-:mod:`hf_rfa.ops.chunkwise`). These are the autograd forms on whole-sequence features; the fused
-forms that apply the feature map block by block are :mod:`hf_rfa.ops.fused` (causal) and
-:mod:`hf_rfa.ops.bidirectional`.
+The causal form runs the block scan of :mod:`hf_rfa.ops.feature.scan` (one block:
+:mod:`hf_rfa.ops.feature.chunkwise`). These are the autograd forms on whole-sequence features; the fused
+forms that apply the feature map block by block are :mod:`hf_rfa.ops.feature.fused` (causal) and
+:mod:`hf_rfa.ops.feature.bidirectional`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def causal_linear(
 
     Any N (the last chunk may be short). Returns the Partial for all N queries and the state
     after the last key (for decoding or the next segment). ``block_size``: tokens per batched
-    block (default :data:`hf_rfa.ops.scan.DEFAULT_BLOCK_SIZE`; bounds the working set, not the result).
+    block (default :data:`hf_rfa.ops.feature.scan.DEFAULT_BLOCK_SIZE`; bounds the working set, not the result).
     """
     b, hkv, g, n, f = qf.shape
     dv = v.shape[-1]

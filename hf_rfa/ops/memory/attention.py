@@ -35,7 +35,7 @@ State bound per (batch row, kv head): M memory keys/values (+ position, norm, fl
 ``W + E`` buffered keys/values (the window and the pending keys), S sinks and the ``F × Dv``
 feature state — independent of the context length (:meth:`MemoryState.nbytes`).
 
-Scores (``memory_score``, :data:`MEMORY_SCORES`, :mod:`hf_rfa.ops.memory_scores`): ``"value_norm"`` (above, the default) or
+Scores (``memory_score``, :data:`MEMORY_SCORES`, :mod:`hf_rfa.ops.memory.scores`): ``"value_norm"`` (above, the default) or
 ``"feature_error"`` — the error with which the feature state recalls the key's value when the key
 is the query, measured once, against the state at the key's first refresh (before that refresh's
 keys are folded; :func:`feature_error`), as LoLA (arXiv 2505.23666) caches the keys the linear
