@@ -17,7 +17,7 @@ from .backends import honoured, native, resolve
 from .band.exact import exact_local, exact_local_last
 from .feature.bidirectional import bidirectional_feature_attention
 from .feature.fused import causal_feature_attention, fold_keys
-from .feature.linear import bidirectional_linear, causal_linear, shift_keys
+from .feature.linear import bidirectional_window_parts, shift_keys
 from .hybrid.function import hybrid_attention
 from .masks import NEG, check_feature_inputs, check_feature_map, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import memory_attention
@@ -258,7 +258,7 @@ def _blockwise(q, k, v, feature_map, km, call: CallPlan, inputs: tuple, nq: int)
     fused_out = None
     if window < n and not null:
         if not fused:
-            parts += _bidirectional_feature_parts(*whole, vv, window, call.spec.chunk_size)
+            parts += bidirectional_window_parts(*whole, vv, window, call.spec.chunk_size)
         else:
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, nq if causal else n, v.shape[-1], dtype=ct) if not parts else None
@@ -373,22 +373,6 @@ def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple
         logg = logg * km[:, None, :]
     cum = torch.cumsum(logg, dim=-1)
     return log1mg - cum, cum[:, :, None, :]
-
-
-def _bidirectional_feature_parts(qf, lq, kf, lk, vv, window: int, chunk_size: int) -> list[Partial]:
-    """Feature part of bidirectional attention from precomputed features (``qf [B,Hkv,G,N,F]``,
-    ``kf [B,Hkv,N,F]``, log scales or None, ``vv [B,Hkv,N,Dv]``): all keys (``window == 0``) or
-    the band outside the window, keys s <= t - W (forward pass) and s >= t + W (reversed pass)."""
-    if window == 0:
-        return [bidirectional_linear(qf, lq, kf, lk, vv)]
-    ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
-    ls = shift_keys(lk, window, NEG) if lk is not None else None
-    forward = causal_linear(qf, lq, ks, ls, vs, chunk_size)[0]
-    fl = lambda x, dim: x.flip(dim) if x is not None else None  # noqa: E731
-    kr, vr = shift_keys(fl(kf, 2), window, 0.0), shift_keys(fl(vv, 2), window, 0.0)
-    lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
-    rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
-    return [forward, Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3))]
 
 
 __all__ = ["LinearState", "attend", "random_feature_attention"]
