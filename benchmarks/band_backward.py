@@ -30,7 +30,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     import hf_rfa
-    import hf_rfa.ops.recompute as new_mod
+    import hf_rfa.ops.band.recompute as new_mod
 
     root = Path(__file__).resolve().parent.parent
     src = subprocess.run(["git", "show", f"{args.old_rev}:hf_rfa/ops/recompute.py"], cwd=root, capture_output=True, text=True, check=True).stdout

@@ -7,7 +7,7 @@ cannot be written):
 - ``twins.md``: forward and backward of every backend (``torch``, ``flex``, ``fla``, ``auto``) on
   the device in fp32 and bf16 against the CPU ``torch`` backend in fp32 (relative errors);
 - ``layer.md``: one SmolLM2-135M attention layer (9 query heads, 3 kv heads, head dim 64) of the
-  recommended recipe (``hf_rfa.recipes.flags.RECIPE``): prefill (no grad) and forward + backward,
+  recommended preset (``RFAConfig.from_preset("recall")``): prefill (no grad) and forward + backward,
   bf16, vs SDPA (flash) at 2k / 8k / 16k / 32k tokens;
 - ``prefill.md``: the whole model's no-grad prefill, original (SDPA) vs converted;
 - ``decode.md``: greedy decoding tokens/s at batch 1 and 32, the constant-memory ``RFACache``
@@ -116,9 +116,8 @@ def _cell(x) -> str:
 
 def recipe(plan: Plan):
     import hf_rfa
-    from hf_rfa.recipes.flags import RECIPE
 
-    return hf_rfa.RFAConfig(**(plan.recipe or RECIPE))
+    return hf_rfa.RFAConfig(**plan.recipe) if plan.recipe else hf_rfa.RFAConfig.from_preset("recall")
 
 
 # ---- twins -----------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Where the training time of one causal hybrid layer goes: the pieces of
-:class:`hf_rfa.ops.hybrid_recompute.HybridFunction` (forward and backward together).
+:class:`hf_rfa.ops.hybrid.function.HybridFunction` (forward and backward together).
 
     python benchmarks/hybrid_parts.py --n 1024 4096 --threads 1
 
 The main job's layer (SmolLM2-shaped: B=1, 9 query / 3 kv heads, D=64; Hedgehog m=64 + window 64 +
 4 sinks + decay half-life 128, the feature part reading q/k with a rotary embedding undone), seeded
 random q/k/v; one warm-up, then ``--repeats`` forward + backward calls. Each piece of the Function
-(module-level helpers of :mod:`hf_rfa.ops.hybrid_recompute`) is timed by a wrapper: its
+(module-level helpers of :mod:`hf_rfa.ops.hybrid.function`) is timed by a wrapper: its
 milliseconds per call of the layer, summed over the blocks and over forward and backward (the
 forward helpers run again in backward's recomputation). ``autograd.grad`` is the autograd backward
 of the recomputed scan and merge. One JSON line per N.
@@ -21,13 +21,14 @@ import time
 
 import torch
 
-#: the helpers of hybrid_recompute that are timed (each wraps a part of forward and/or backward)
-PARTS = ("_band_unit", "_band_partial", "_feature_unit", "_combine", "_scatter_band_grads", "_scatter_feature_grads", "_feature_inputs", "_block_queries", "_grads")
+#: the helpers the recomputing hybrid (hf_rfa.ops.hybrid.function) calls that are timed (each wraps a
+#: part of forward and/or backward)
+PARTS = ("band_unit", "band_partial", "feature_unit", "combine", "_scatter_band_grads", "_scatter_feature_grads", "feature_inputs", "block_queries", "grads")
 
 
 def _instrument(times: dict) -> list:
-    """Wrap :data:`PARTS` in ``hf_rfa.ops.hybrid_recompute`` with timers; returns the originals."""
-    from hf_rfa.ops import hybrid_recompute as hr
+    """Wrap :data:`PARTS` in ``hf_rfa.ops.hybrid.function`` with timers; returns the originals."""
+    from hf_rfa.ops.hybrid import function as hr
 
     saved = []
     for name in PARTS:
@@ -47,7 +48,7 @@ def _instrument(times: dict) -> list:
 
 def measure(n: int, repeats: int, seed: int = 0) -> dict:
     import hf_rfa
-    from hf_rfa.ops import hybrid_recompute as hr
+    from hf_rfa.ops.hybrid import function as hr
 
     fm = hf_rfa.build_feature_map("hedgehog", head_dim=64, num_features=64, seed=seed, hybrid_mix=True)
     fm.enable_decay(128.0)
@@ -77,7 +78,7 @@ def measure(n: int, repeats: int, seed: int = 0) -> dict:
     finally:
         for name, fn in saved:
             setattr(hr, name, fn)
-    parts = {("autograd.grad" if k_ == "_grads" else k_.lstrip("_")): round(v_ / repeats * 1e3, 1) for k_, v_ in sorted(times.items(), key=lambda x: -x[1])}
+    parts = {("autograd.grad" if k_ == "grads" else k_.lstrip("_")): round(v_ / repeats * 1e3, 1) for k_, v_ in sorted(times.items(), key=lambda x: -x[1])}
     return {"n": n, "ms_per_call": round(total / repeats * 1e3, 1), "backward_ms": round(backward / repeats * 1e3, 1), "parts_ms": parts, "threads": torch.get_num_threads()}
 
 

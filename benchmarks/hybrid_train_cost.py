@@ -4,9 +4,9 @@
 
 SmolLM2-135M-shaped layer (B=1, 9 query / 3 kv heads, D=64), FAVOR+ m=256, window 256, 4 sinks,
 fp32, ``checkpoint_blocks=True`` (the default). ``new``: the one recomputing
-:class:`hf_rfa.ops.hybrid_recompute.HybridFunction` (q, k, v saved once); ``old``: the form before
-it — :class:`~hf_rfa.ops.recompute.BandFunction` on √scale-multiplied q/k, the
-:class:`~hf_rfa.ops.recompute.ScanFunction` on window-shifted k/v, then autograd ``merge`` and
+:class:`hf_rfa.ops.hybrid.function.HybridFunction` (q, k, v saved once); ``old``: the form before
+it — :class:`~hf_rfa.ops.band.recompute.BandFunction` on √scale-multiplied q/k, the
+:class:`~hf_rfa.ops.feature.recompute.ScanFunction` on window-shifted k/v, then autograd ``merge`` and
 ``finalize`` (selected by switching off ``attention._hybrid_function_applies``). Reports the
 bytes autograd saves for backward (saved-tensor hooks; per layer) and the median forward and
 backward seconds, both forms *interleaved* in one process (same machine load), plus the load

@@ -11,6 +11,7 @@ from .feature_maps import available_feature_maps
 from .ops.backends import backend_names, check_name
 from .ops.masks import MAX_CHUNK, MAX_SINKS, check_int
 from .ops.memory import MAX_MEMORY, MEMORY_SCORES
+from .ops.spec import FEATURE_INPUTS
 
 #: inclusive ranges of the integer fields (a config.json can carry any value: absurd ones are
 #: refused before they reach an allocation or a kernel)
@@ -24,8 +25,6 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "memory": (0, MAX_MEMORY),
     "memory_every": (1, MAX_CHUNK),
 }
-#: what the feature part of a rotary-embedded model reads (``feature_input``)
-FEATURE_INPUTS = ("rotated", "unrotated")
 #: largest ``decay`` half-life (tokens)
 MAX_DECAY = 1e9
 #: largest layer index accepted in ``layers``

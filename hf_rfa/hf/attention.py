@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..feature_maps import FeatureMap
-from ..ops import random_feature_attention
+from ..ops import attend
+from ..ops.spec import AttentionSpec
 from .rope import ROPE_ATTR, checked_rope, unrotate
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,15 @@ ATTN_NAME = "rfa"
 BACKEND_KWARG = "rfa_backend"
 
 
+def _spec_field(name: str) -> property:
+    """``RFAAttention.<name>``: the field of its spec; setting it replaces the spec (validated again)."""
+
+    def set_field(self, value) -> None:
+        self.spec = self.spec.replace(**{name: value})
+
+    return property(lambda self: getattr(self.spec, name), set_field, doc=f"``spec.{name}`` (setting it replaces the spec, validated again)")
+
+
 class RFAAttention(nn.Module):
     """Per-layer random feature attention: a feature map plus the hybrid settings.
 
@@ -39,23 +49,27 @@ class RFAAttention(nn.Module):
     PEFT's ``modules_to_save`` may wrap it, which is why the attention function *calls* it.
     """
 
-    def __init__(
-        self, feature_map: FeatureMap, window: int = 0, sinks: int = 0, chunk_size: int = 64, layer_idx: int = 0,
-        checkpoint_blocks: bool = True, backend: str = "auto", memory: int = 0, memory_every: int = 64,
-        feature_input: str = "rotated", memory_score: str = "value_norm",
-    ) -> None:
+    def __init__(self, feature_map: FeatureMap, spec: AttentionSpec | None = None, layer_idx: int = 0, **settings) -> None:
+        """``spec``: the layer's :class:`~hf_rfa.ops.spec.AttentionSpec` (``AttentionSpec.from_config``
+        of the model's ``RFAConfig``), or its fields as keywords (``window=4, sinks=1``, ...), not both."""
         super().__init__()
+        if spec is not None and settings:
+            raise ValueError(f"give the settings as spec= or as keywords, not both (got spec and {sorted(settings)})")
+        if spec is not None and not isinstance(spec, AttentionSpec):
+            raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
         self.feature_map = feature_map
-        self.window = int(window)
-        self.sinks = int(sinks)
-        self.chunk_size = int(chunk_size)
+        self.spec = spec if spec is not None else AttentionSpec(**settings)
         self.layer_idx = int(layer_idx)
-        self.checkpoint_blocks = bool(checkpoint_blocks)
-        self.backend = backend
-        self.memory = int(memory)
-        self.memory_every = int(memory_every)
-        self.feature_input = feature_input
-        self.memory_score = memory_score
+
+    window = _spec_field("window")
+    sinks = _spec_field("sinks")
+    chunk_size = _spec_field("chunk_size")
+    checkpoint_blocks = _spec_field("checkpoint_blocks")
+    backend = _spec_field("backend")
+    memory = _spec_field("memory")
+    memory_every = _spec_field("memory_every")
+    memory_score = _spec_field("memory_score")
+    feature_input = _spec_field("feature_input")
 
     def forward(
         self,
@@ -86,12 +100,8 @@ class RFAAttention(nn.Module):
             rope = checked_rope(kwargs.get("rfa_rope"), query, key)  # undone inside the op (block by block in training)
         if cache is not None:
             return cache.attend(self, query, key, value, attention_mask, causal, scale)
-        return random_feature_attention(
-            query, key, value, self.feature_map, causal=causal, attention_mask=attention_mask,
-            window=self.window, sinks=self.sinks, scale=scale, chunk_size=self.chunk_size,
-            checkpoint_blocks=self.checkpoint_blocks, backend=backend,
-            memory=self.memory, memory_every=self.memory_every, memory_score=self.memory_score, feature_rope=rope,
-        )
+        spec = self.spec if backend == self.spec.backend else self.spec.replace(backend=backend)
+        return attend(query, key, value, self.feature_map, spec, causal=causal, attention_mask=attention_mask, scale=scale, feature_rope=rope)
 
     def extra_repr(self) -> str:
         mem = f", memory={self.memory}, memory_every={self.memory_every}, memory_score={self.memory_score}" if self.memory else ""

@@ -4,7 +4,7 @@
 a converted attention module) with ``layer.compile(...)``: the layers share one compiled graph
 (their parameters are graph inputs), so compiling costs one layer's trace, not the model's. With
 ``fullgraph=True`` (the default) the recomputing hybrid's autograd Function
-(:class:`hf_rfa.ops.hybrid_recompute.HybridFunction`) is traced whole — forward, and the backward
+(:class:`hf_rfa.ops.hybrid.function.HybridFunction`) is traced whole — forward, and the backward
 that recomputes block by block with ``torch.autograd.grad`` — so Inductor fuses its elementwise
 passes too; that needs Dynamo's ``trace_autograd_ops`` option, which this function turns on
 (process-wide; logged). Train with ``use_cache=False`` (as Trainer does with gradient

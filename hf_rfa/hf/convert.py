@@ -24,6 +24,7 @@ from .rope import install_rope_hook, takes_position_embeddings
 from .checkpoint import _resolve_dir, check_loaded_rfa, checkpoint_files, load_rfa_state, report_unexpected_rfa_keys, verify_safetensors  # noqa: F401 (re-exported)
 from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
+from ..ops.spec import AttentionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     )
     if config.decay > 0:
         fm.enable_decay(config.decay)
-    return RFAAttention(fm, window=config.window, sinks=config.sinks, chunk_size=config.chunk_size, layer_idx=layer_idx, checkpoint_blocks=config.checkpoint_blocks, backend=config.backend,
-                        memory=config.memory, memory_every=config.memory_every, feature_input=config.feature_input, memory_score=config.memory_score)
+    return RFAAttention(fm, AttentionSpec.from_config(config), layer_idx=layer_idx)
 
 
 def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any) -> nn.Module:
@@ -247,7 +247,7 @@ def set_memory(model: nn.Module, memory: int, memory_every: int = 64, memory_sco
         raise ValueError(f"memory={config.memory}: the exact memory needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use memory=0)")
     for module in model.modules():  # PEFT's modules_to_save copies too
         if isinstance(module, RFAAttention):
-            module.memory, module.memory_every, module.memory_score = config.memory, config.memory_every, config.memory_score
+            module.spec = module.spec.replace(memory=config.memory, memory_every=config.memory_every, memory_score=config.memory_score)
     setattr(model.config, CONFIG_ATTR, config.to_dict())
     logger.info("exact memory of %s: %d keys per kv head, re-chosen every %d positions, ranked by %s", type(model).__name__, config.memory, config.memory_every, config.memory_score)
     return model

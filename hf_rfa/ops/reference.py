@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .masks import NEG, check_feature_inputs, key_mask_bool, no_autocast, sink_mask, validate_qkv
-from .memory_scores import _round_log2, value_norm
+from .memory.scores import round_log2, value_norm
 
 if TYPE_CHECKING:  # type only: ops import nothing from feature_maps at run time
     from ..feature_maps.base import FeatureMap
@@ -260,7 +260,7 @@ def feature_error_scores(
             w = dot * folded.unsqueeze(-2)  # [B,Hkv,Nk,Nk]: row s, column s'
             num, den = w @ vd, w.sum(-1)
             pred = torch.where((den > 0).unsqueeze(-1), num / den.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(num))
-            err = _round_log2(torch.linalg.vector_norm(vd - pred, dim=-1))
+            err = round_log2(torch.linalg.vector_norm(vd - pred, dim=-1))
             score = torch.where(new, err, score)
     return score
 

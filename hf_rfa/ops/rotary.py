@@ -4,7 +4,7 @@ transformers' convention (``apply_rotary_pos_emb`` with ``rotate_half``): the tw
 first ``Dr = cos.shape[-1]`` dims form the rotated pairs, dims beyond ``Dr`` are not rotated, and
 x is rotated to ``x·cos + rotate_half(x)·sin``. :func:`unrotate` inverts that;
 :func:`unrotate_adjoint` is its transpose (the gradient of ``unrotate(x)`` with respect to x,
-given the gradient of the result). The recomputing hybrid (:mod:`hf_rfa.ops.hybrid_recompute`)
+given the gradient of the result). The recomputing hybrid (:mod:`hf_rfa.ops.hybrid.function`)
 un-rotates q and k block by block in forward and backward with these, so nothing un-rotated is
 kept for backward (``random_feature_attention(feature_rope=(cos, sin))``).
 """

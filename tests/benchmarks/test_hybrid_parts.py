@@ -20,7 +20,7 @@ def test_small_run_times_the_pieces():
         import hybrid_parts
     finally:
         sys.path.pop(0)
-    from hf_rfa.ops import hybrid_recompute as hr
+    from hf_rfa.ops.hybrid import function as hr
 
     before = {name: getattr(hr, name) for name in hybrid_parts.PARTS}
     row = hybrid_parts.measure(192, repeats=1)

@@ -10,7 +10,7 @@ import torch
 import hf_rfa
 from hf_rfa.ops import random_feature_attention
 from hf_rfa.ops.backends import BACKENDS, fla, flex, gpu, resolve
-from hf_rfa.ops.hybrid import exact_local
+from hf_rfa.ops.band.exact import exact_local
 from hf_rfa.ops.partial import finalize
 from hf_rfa.ops.rotary import unrotate
 from conftest import rel

@@ -9,7 +9,8 @@ import functools
 import pytest
 import torch
 
-from hf_rfa.ops import attention, hybrid_recompute
+from hf_rfa.ops import attention
+from hf_rfa.ops.hybrid import function as hybrid_recompute
 from hf_rfa.ops.backends import native
 from tolerances import GRAD_FP32, ORACLE_FP32
 

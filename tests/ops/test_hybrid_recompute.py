@@ -1,4 +1,4 @@
-"""The causal hybrid in training as one recomputing Function (``hf_rfa.ops.hybrid_recompute``):
+"""The causal hybrid in training as one recomputing Function (``hf_rfa.ops.hybrid.function``):
 gradients of q, k, v and every feature-map parameter against the autograd form
 (``checkpoint_blocks=False``, the reference twin) in float32 and float64, float64 gradcheck, and
 the saved-tensor bytes of one layer (saved-tensor hooks): q, k, v once plus O(N)."""
@@ -11,7 +11,7 @@ import torch
 import hf_rfa
 from hf_rfa.ops import attention
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.hybrid_recompute import _window_slice
+from hf_rfa.ops.hybrid.blocks import window_slice as _window_slice
 from conftest import rel
 from tolerances import GRAD_FP32, GRAD_FP64
 

@@ -1,6 +1,6 @@
 """Causal calls whose queries are the last Nq < Nk positions (attention transfer's fitted queries,
 ``Captured.queries_ending_at``): the keys every query sees through the features are folded into the
-state at once (:func:`hf_rfa.ops.fused.fold_keys`) and only the last Nq rows are computed. Twin: the
+state at once (:func:`hf_rfa.ops.feature.fused.fold_keys`) and only the last Nq rows are computed. Twin: the
 same call with every position's query (the last Nq rows of its output), forward and gradients."""
 
 import pytest
@@ -144,7 +144,8 @@ def test_last_queries_scan_only_their_rows(monkeypatch):
 def test_last_queries_band_runs_on_the_keys_they_see(monkeypatch):
     """The exact band of the last Nq queries runs on sinks + the keys from their first window
     position on (crop = S + W − 1 + Nq), and on every row when a sink lies in that span."""
-    from hf_rfa.ops import attention, hybrid
+    from hf_rfa.ops import attention
+    from hf_rfa.ops.band import exact as hybrid
 
     seen = []
     real = hybrid.exact_local

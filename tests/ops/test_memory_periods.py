@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops import memory_periods
-from hf_rfa.ops.memory import MemoryState, _run
-from hf_rfa.ops.memory_periods import run_periods
+from hf_rfa.ops.memory import periods as memory_periods
+from hf_rfa.ops.memory import MemoryState
+from hf_rfa.ops.memory.sequential import run_sequential as _run
+from hf_rfa.ops.memory.periods import run_periods
 from conftest import rel
 
 B, H, HKV, D = 2, 4, 2, 16

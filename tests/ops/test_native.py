@@ -14,7 +14,7 @@ from tolerances import ORACLE_FP32
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, quadratic_kernel_attention
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.fused import causal_feature_attention
+from hf_rfa.ops.feature.fused import causal_feature_attention
 
 HAVE_TOOLCHAIN = shutil.which("g++") is not None and native._ninja_on_path()
 
@@ -292,7 +292,7 @@ def test_staged_source_path_is_shared(monkeypatch, tmp_path):
 def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
     """Partial (num, den, log scale) of the window/sink part = ``hybrid.exact_local`` (padding at
     the front and holes, GQA, sinks inside and outside the window, W ≥ N)."""
-    from hf_rfa.ops.hybrid import exact_local
+    from hf_rfa.ops.band.exact import exact_local
     from hf_rfa.ops.masks import exp_floor, sink_positions
 
     b, n, d = 2, 150, 16

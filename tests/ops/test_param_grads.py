@@ -16,7 +16,7 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops import quadratic_kernel_attention
-from hf_rfa.ops import scan
+from hf_rfa.ops.feature import scan
 from conftest import rel
 from tolerances import GRAD_FP64
 

@@ -1,4 +1,4 @@
-"""Training forms that recompute in backward (``hf_rfa.ops.recompute``): the exact band
+"""Training forms that recompute in backward (``hf_rfa.ops.band.recompute``): the exact band
 (``BandFunction``) and the causal feature scan (``ScanFunction``) against their autograd forms
 (the reference twins of the backward), several blocks per sequence, padding, sinks, gates,
 learned maps; float64 gradcheck; saved bytes (saved-tensor hooks) linear in N and far below the
@@ -9,8 +9,8 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.hybrid import exact_local
-from hf_rfa.ops.fused import causal_feature_attention
+from hf_rfa.ops.band.exact import exact_local
+from hf_rfa.ops.feature.fused import causal_feature_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
 

@@ -9,8 +9,8 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, fold, quadratic_kernel_attention
-from hf_rfa.ops.fused import causal_feature_attention
-from hf_rfa.ops.linear import causal_linear
+from hf_rfa.ops.feature.fused import causal_feature_attention
+from hf_rfa.ops.feature.linear import causal_linear
 from hf_rfa.ops.masks import NEG
 from tolerances import GRAD_FP32, ORACLE_FP32
 from conftest import rel
@@ -204,7 +204,7 @@ def test_inference_form_matches_autograd_form(name, h, hkv):
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[1, :20] = False
     fm = hf_rfa.build_feature_map(name, head_dim=d, num_features=16)
-    from hf_rfa.ops import scan
+    from hf_rfa.ops.feature import scan
 
     old = scan.DEFAULT_BLOCK_SIZE
     scan.DEFAULT_BLOCK_SIZE = 128
@@ -245,7 +245,7 @@ def test_blockwise_bidirectional_matches_whole_sequence_twin(name, block):
     """Keys folded block by block (inference form) = ``bidirectional_linear`` on whole-sequence
     features; GQA, padded keys, Nq != Nk, Partial and normalised-output forms."""
     from hf_rfa.ops import bidirectional_linear
-    from hf_rfa.ops.bidirectional import bidirectional_feature_attention
+    from hf_rfa.ops.feature.bidirectional import bidirectional_feature_attention
 
     gen = torch.Generator().manual_seed(15)
     b, h, hkv, nq, nk, d = 2, 4, 2, 50, 90, 16
@@ -333,7 +333,7 @@ def test_compiled_kernels_match_eager_and_quadratic(name, compiled_kernels):
         eager = hf_rfa.random_feature_attention(q, k, v, fm, causal=True)
         ref = quadratic_kernel_attention(q, k, v, fm, causal=True)
     from hf_rfa.ops.backends import kernels
-    from hf_rfa.ops.chunkwise import block_step
+    from hf_rfa.ops.feature.chunkwise import block_step
 
     assert block_step in kernels._COMPILED  # the compiled kernel really ran
     assert rel(fast, eager) <= ORACLE_FP32

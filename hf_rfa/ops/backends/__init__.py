@@ -1,7 +1,7 @@
 """Which implementation computes an attention call: a small registry and one visible rule.
 
 =============  ==================================================================================
-``torch``      the autograd forms (``ops.chunkwise``/``ops.scan``, ``ops.hybrid``, ``ops.linear``): training,
+``torch``      the autograd forms (``ops.feature.chunkwise``/``ops.feature.scan``, ``ops.band.exact``, ``ops.feature.linear``): training,
                and the reference every other backend is tested against
 ``inference``  the PyTorch inference form (:mod:`.causal_infer`: reused workspaces, in-place
                passes; bidirectional keys folded block by block) — no autograd

@@ -66,7 +66,7 @@ def scan_terms(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int, r
     values and key log scales already delayed by ``window`` (the decay over it in ``lk``); keys
     that are not feature keys (``feat_mask [B, N]`` False: padding, sinks) have zero features and
     log scale NEG. ``fq_in``/``fk_in`` are what the map reads (multiplied by ``root`` here)."""
-    from ..linear import shift_keys
+    from ..feature.linear import shift_keys
 
     ct = torch.float64 if fq_in.dtype == torch.float64 else torch.float32
     xk = fk_in.to(ct) * root

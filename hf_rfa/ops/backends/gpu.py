@@ -26,8 +26,8 @@ import logging
 
 import torch
 
-from ..fused import causal_feature_attention
-from ..linear import shift_keys
+from ..feature.fused import causal_feature_attention
+from ..feature.linear import shift_keys
 from ..masks import sink_mask, to_output_dtype
 from ..partial import Partial, finalize, merge
 from ..rotary import unrotate
@@ -125,7 +125,7 @@ def attention(q, k, v, feature_map, key_mask, *, window: int, sinks: int, scale:
 
 
 def _torch_feature_part(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int, scale: float, chunk_size: int, checkpoint: bool, grad: bool) -> Partial:
-    """The causal feature part by the PyTorch scan (:func:`~hf_rfa.ops.fused.causal_feature_attention`)
+    """The causal feature part by the PyTorch scan (:func:`~hf_rfa.ops.feature.fused.causal_feature_attention`)
     on keys delayed by ``window``: ``torch`` with autograd, ``inference`` without."""
     b, n = fk_in.shape[0], fk_in.shape[2]
     root = scale**0.5

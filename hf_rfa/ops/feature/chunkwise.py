@@ -16,7 +16,7 @@ Stabilisation is streaming-safe: each query's scale is the running maximum of ke
 to and including that query (``cummax``), chunk states are stored relative to the running max at
 the chunk's last key, and every decay factor is ``exp(earlier max − later max) ≤ 1``; masked
 (future) entries are exact zeros, so no output depends on later tokens, even through a max or
-through rounding. The scan over blocks is :mod:`hf_rfa.ops.scan`; the inference form of this
+through rounding. The scan over blocks is :mod:`hf_rfa.ops.feature.scan`; the inference form of this
 step is :func:`hf_rfa.ops.backends.causal_infer.causal_block_into` (this is its twin).
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import NEG, needs_grad
+from ..masks import NEG, needs_grad
 
 #: one block's ``(qf, lq, kf, lk, v)``
 Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]

@@ -2,14 +2,14 @@
 
 The sequence is processed in *blocks* of several chunks (``block_size`` tokens, default
 :data:`DEFAULT_BLOCK_SIZE`); each block is one call of the block step
-(:func:`hf_rfa.ops.chunkwise.block_step`, autograd form) or, without autograd, of its inference
+(:func:`hf_rfa.ops.feature.chunkwise.block_step`, autograd form) or, without autograd, of its inference
 form (:func:`hf_rfa.ops.backends.causal_infer.causal_block_into` on one reused workspace). The
 state between blocks is one ``[B, Hkv, F, Dv+1]`` matrix ``[S, z]`` relative to a reference log
 scale ``ref [B, Hkv]``. Memory is O(N·F + block·(C + F·Dv/C)) per head, never N×N.
 
 The block's inputs come from a callback ``get(i, ws)``: precomputed features
-(:func:`hf_rfa.ops.linear.causal_linear`) or features computed block by block
-(:func:`hf_rfa.ops.fused.causal_feature_attention`).
+(:func:`hf_rfa.ops.feature.linear.causal_linear`) or features computed block by block
+(:func:`hf_rfa.ops.feature.fused.causal_feature_attention`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from .backends import kernels
-from .backends.causal_infer import BlockWorkspace, causal_block_into, workspace
+from ..backends import kernels
+from ..backends.causal_infer import BlockWorkspace, causal_block_into, workspace
 from .chunkwise import Block, block_step
-from .partial import Partial, finalize
-from .recurrent import LinearState
+from ..partial import Partial, finalize
+from ..recurrent import LinearState
 
 #: tokens per block of the causal form (rounded down to a multiple of the chunk size)
 DEFAULT_BLOCK_SIZE = 512
@@ -31,9 +31,9 @@ DEFAULT_BLOCK_SIZE = 512
 
 @dataclass
 class ScanSpec:
-    """What the recomputing scan (:class:`hf_rfa.ops.recompute.ScanFunction`) needs besides tensors;
+    """What the recomputing scan (:class:`hf_rfa.ops.feature.recompute.ScanFunction`) needs besides tensors;
     ``names``: the feature map's parameters passed as the Function's ``*params``, in that order
-    (:func:`hf_rfa.ops.recompute.map_params`)."""
+    (:func:`hf_rfa.ops.autograd.map_params`)."""
 
     feature_map: object
     plan: list[tuple[int, int]]
@@ -100,7 +100,7 @@ def causal_scan(
     autograd graph is needed — full blocks then run :func:`causal_block_into` on one reused
     workspace (unless the compiled kernels are enabled). ``dest [B,Hkv,G,N,Dv]``: write the
     normalised output ``num / max(den, eps)`` there and return ``None`` for the Partial.
-    (Training memory: :class:`hf_rfa.ops.recompute.ScanFunction` runs these blocks and
+    (Training memory: :class:`hf_rfa.ops.feature.recompute.ScanFunction` runs these blocks and
     recomputes them in backward instead.)"""
     if infer and not kernels.wanted() and not torch.compiler.is_compiling():
         with torch.no_grad():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrent import LinearState, read
+from ..recurrent import LinearState, read
 
 #: the selection compares ``log2 ‖v‖`` rounded to multiples of 2**-SCORE_BITS (≈ 0.07 % for 10)
 SCORE_BITS = 10
@@ -25,10 +25,10 @@ def value_norm(v: torch.Tensor) -> torch.Tensor:
     exact-float ranking would then break their tie one way in one form and the other way in the
     other (decoding ≠ full forward). Rounded scores tie, and ties go to the older key in both
     (a flip needs a value within float rounding of a rounding boundary: ~1e-4 per key)."""
-    return _round_log2(torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1))
+    return round_log2(torch.linalg.vector_norm(v.detach().to(torch.float64), dim=-1))
 
 
-def _round_log2(x: torch.Tensor) -> torch.Tensor:
+def round_log2(x: torch.Tensor) -> torch.Tensor:
     """``log2 x`` of non-negative float64 ``x`` rounded to a multiple of ``2**-SCORE_BITS``, float32."""
     return (torch.round(torch.log2(x.clamp_min(1e-30)) * 2**SCORE_BITS) / 2**SCORE_BITS).to(torch.float32)
 
@@ -56,11 +56,11 @@ def recall_error(linear: LinearState, phi: torch.Tensor, v: torch.Tensor) -> tor
         part = read(linear, phi.detach().view(b, hkv, 1, kk, -1), None)
         num, den = part.num.view(b, hkv, kk, -1).double(), part.den.view(b, hkv, kk).double()
         pred = torch.where((den > 0).unsqueeze(-1), num / den.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(num))
-        return _round_log2(torch.linalg.vector_norm(v.detach().double() - pred, dim=-1))
+        return round_log2(torch.linalg.vector_norm(v.detach().double() - pred, dim=-1))
 
 
 #: how the exact memory ranks its candidates (``memory_score``): the largest score is kept
 MEMORY_SCORES = ("value_norm", "feature_error")
 
 
-__all__ = ["MEMORY_SCORES", "SCORE_BITS", "feature_error", "recall_error", "value_norm"]
+__all__ = ["MEMORY_SCORES", "SCORE_BITS", "feature_error", "recall_error", "round_log2", "value_norm"]

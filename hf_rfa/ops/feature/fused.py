@@ -5,9 +5,9 @@
 never materialised (cache-resident blocks, O(N·Dv) extra memory in inference). It runs, by the
 backend chosen (:func:`hf_rfa.ops.backends.resolve`):
 
-- ``torch``: the autograd block step (:func:`hf_rfa.ops.chunkwise.block_step`) over the scan of
-  :mod:`hf_rfa.ops.scan`, or, with ``checkpoint``, the recomputing
-  :class:`hf_rfa.ops.recompute.ScanFunction`;
+- ``torch``: the autograd block step (:func:`hf_rfa.ops.feature.chunkwise.block_step`) over the scan of
+  :mod:`hf_rfa.ops.feature.scan`, or, with ``checkpoint``, the recomputing
+  :class:`hf_rfa.ops.feature.recompute.ScanFunction`;
 - ``inference``/``compiled``: the same scan without autograd, features written straight into the
   reused workspace;
 - ``native``: the C++ CPU kernel for maps that expose native parameters.
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from .backends import native, resolve
-from .backends.causal_infer import BlockWorkspace
+from ..backends import native, resolve
+from ..backends.causal_infer import BlockWorkspace
 from .chunkwise import Block, assemble_block, block_features, key_terms
-from .masks import exp_floor, needs_grad
-from .partial import Partial, finalize
-from .recompute import ScanFunction, map_params
-from .recurrent import LinearState, fold
+from ..masks import exp_floor, needs_grad
+from ..partial import Partial, finalize
+from ..autograd import map_params
+from ..recurrent import LinearState, fold
+from .recompute import ScanFunction
 from .scan import ScanSpec, causal_scan, plan_blocks, split_tokens, state_matrix
 
 
@@ -51,11 +52,11 @@ def causal_feature_attention(
     key_mask ``[B, N]`` bool (False: key skipped) or None, optional log-scale offsets added to the
     features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
-    masking, and calling :func:`hf_rfa.ops.linear.causal_linear`, but never holds ``[N, F]``
+    masking, and calling :func:`hf_rfa.ops.feature.linear.causal_linear`, but never holds ``[N, F]``
     features. Requires a per-token feature map (every map in this package is). ``checkpoint``:
     with autograd (and a state that needs no gradient), save only the inputs and each block's
     incoming state, and recompute the block's features and products in backward
-    (:mod:`hf_rfa.ops.recompute`). ``backend``: the one :func:`hf_rfa.ops.backends.resolve`
+    (:mod:`hf_rfa.ops.feature.recompute`). ``backend``: the one :func:`hf_rfa.ops.backends.resolve`
     chose (None: ``"auto"`` for these inputs). ``out [B, Hkv, G, N, Dv]``: write the normalised
     output there and return None for the Partial.
     """
@@ -136,7 +137,7 @@ def _features_into(ws: BlockWorkspace, feature_map, xqb, xkb, vb, kmb, lqab, lka
 
 def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
     """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.backends.native`;
-    its twin is the inference form of :func:`hf_rfa.ops.scan.causal_scan`)."""
+    its twin is the inference form of :func:`hf_rfa.ops.feature.scan.causal_scan`)."""
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]
     g = h // hkv

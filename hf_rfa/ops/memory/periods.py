@@ -1,4 +1,4 @@
-"""The exact memory's period-parallel form: :func:`hf_rfa.ops.memory._run` with the queries'
+"""The exact memory's period-parallel form: :func:`hf_rfa.ops.memory.sequential.run_sequential` with the queries'
 work batched over refresh periods (the prefill speed guard).
 
 The sequential form answers each period of ``E = memory_every`` queries with ~20 small ops
@@ -28,10 +28,12 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from .masks import NEG
-from .memory import MemoryState, _exact_terms, _features, _finish, _gather, _pending_part, _prepare, _select, recall_error
-from .partial import Partial, merge
-from .recurrent import LinearState, fold
+from ..masks import NEG
+from .scores import recall_error
+from .state import MemoryState
+from .terms import exact_terms, finish_call, gather_slots, map_features, pending_part, prepare_call, select_memory
+from ..partial import Partial, merge
+from ..recurrent import LinearState, fold
 
 #: periods answered at once in step 2 (bounds its intermediates: ~PERIOD_BLOCK·E·H·(M + F + E) floats)
 PERIOD_BLOCK = 8
@@ -78,7 +80,7 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     state after each period's refresh; sidx ``[pp, width]`` the pending keys' pool indices, vis
     ``[B, pp, E, width]`` pending key visible to the query slot."""
     b, hkv, pp, ge, _ = xq.shape
-    part = Partial(*_exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2)))
+    part = Partial(*exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2)))
     if qf is None:
         return part.num, part.den, part.log_scale
     ls = ref.unsqueeze(-1).expand(b, hkv, pp, ge)
@@ -87,21 +89,18 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     part = merge(part, Partial(qf @ S, (qf @ z.unsqueeze(-1)).squeeze(-1), ls))
     sidx = sidx.expand(b, hkv, *sidx.shape)
     lk = _pool_gather(lk_pool, sidx) if lk_pool is not None else None  # [B,Hkv,pp,width]
-    pend = _pending_part(qf.view(b, hkv, pp, g, e, -1), lq.view(b, hkv, pp, g, e) if lq is not None else None,
+    pend = pending_part(qf.view(b, hkv, pp, g, e, -1), lq.view(b, hkv, pp, g, e) if lq is not None else None,
                          _pool_gather(kf_pool, sidx), lk, _pool_gather(pool_v, sidx), vis[:, None])
     part = merge(part, Partial(pend.num.view(b, hkv, pp, ge, -1), pend.den.view(b, hkv, pp, ge), pend.log_scale.reshape(b, hkv, pp, ge)))
     return part.num, part.den, part.log_scale
 
 
 def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
-    """:func:`hf_rfa.ops.memory._run` (same arguments, outputs and final state) with the queries'
-    work batched over refresh periods (module docstring)."""
-    c = _prepare(state, q, k, v, km, feature_map, window, sinks, scale, native_band, memory_score, fq, fk, chunk_size)
-    b, hkv, g, n, ct, root, p0, pos0 = c.b, c.hkv, c.g, c.n, c.ct, c.root, c.p0, c.pos0
-    dev = q.device
-    memory, e = state.memory, memory_every
+    """:func:`hf_rfa.ops.memory.sequential.run_sequential` (same arguments, outputs and final
+    state) with the queries' work batched over refresh periods (module docstring)."""
+    c = prepare_call(state, q, k, v, km, feature_map, window, sinks, scale, native_band, memory_score, fq, fk, chunk_size)
+    b, hkv, ct, root = c.b, c.hkv, c.ct, c.root
     null = getattr(feature_map, "null", False)
-    by_error = memory_score == "feature_error"
     nloc = c.lk_raw.shape[2]
 
     # pool = the state's memory slots [0, M) then the local keys [M, M + L)
@@ -115,16 +114,27 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks
     pool_v = pool["v"].to(ct)
     kf_pool = lk_pool = None
     if not null:  # every key's features once (memory slots included: a displaced one is folded)
-        kf_pool, lk_pool = _features(feature_map, pool["kf" if fk is not None else "k"].to(ct) * root, False, hkv)
+        kf_pool, lk_pool = map_features(feature_map, pool["kf" if fk is not None else "k"].to(ct) * root, False, hkv)
         if c.gated:
             lk_pool = pool["lg"] if lk_pool is None else lk_pool + pool["lg"]
+    chosen = _choose(state, c, kf_pool, lk_pool, pool_v, window, memory_every, memory_score == "feature_error", null)
+    sel, linear, lo = chosen[0], chosen[1], chosen[2]
+    total = _answer(c, feature_map, chosen, pool["k"].to(ct) * root, pool_v, kf_pool, lk_pool, (window, memory_every, state.memory, null, (q, k, v)))
+    final = {"ok": sel["ok"], "pos": sel["pos"], "norm": sel["norm"], **{name: gather_slots(x, sel["idx"]) for name, x in pool.items()}}
+    return finish_call(state, c, total, linear, final, lo, km, feature_map.eps)
 
-    # 1. choose: per refresh, the memory (pool indices) and the state after it
+
+def _choose(state: MemoryState, c, kf_pool, lk_pool, pool_v, window: int, e: int, by_error: bool, null: bool):
+    """Step 1: per refresh, the memory (pool indices) and the feature state after it. Returns
+    ``(sel, linear, lo, mem_idx, mem_ok, los, states)``: the final choice, state and buffer start,
+    and per period its memory indices / flags, buffer start and state."""
+    b, hkv, n, ct, p0, pos0 = c.b, c.hkv, c.n, c.ct, c.p0, c.pos0
+    dev = pool_v.device
+    memory = state.memory
     sel = {"idx": torch.arange(memory, device=dev).expand(b, hkv, memory), "pos": state.mem_pos, "norm": state.mem_norm, "ok": state.mem_ok}
     linear = state.base.linear
     lo = 0
     j0, j1 = p0 // e, (p0 + n - 1) // e
-    periods = j1 - j0 + 1
     mem_idx, mem_ok, los, states = [], [], [], []
     for j in range(j0, j1 + 1):
         a = max(p0, j * e)
@@ -138,25 +148,36 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks
                 "ok": c.feat[:, None, lo:hi].expand(b, hkv, hi - lo),
             }
             both_idx = torch.cat([sel["idx"], cidx], dim=2)
-            sel, out_mask = _select(sel, cand, memory)
+            sel, out_mask = select_memory(sel, cand, memory)
             if not null:  # the keys not chosen enter the feature state for good
-                kf = _gather(kf_pool, both_idx) * out_mask.unsqueeze(-1)
+                kf = gather_slots(kf_pool, both_idx) * out_mask.unsqueeze(-1)
                 lkf = None
                 if lk_pool is not None:
-                    lkf = torch.where(out_mask, _gather(lk_pool, both_idx), torch.full(out_mask.shape, NEG, dtype=ct, device=dev))
-                linear = fold(linear, kf, lkf, _gather(pool_v, both_idx))
+                    lkf = torch.where(out_mask, gather_slots(lk_pool, both_idx), torch.full(out_mask.shape, NEG, dtype=ct, device=dev))
+                linear = fold(linear, kf, lkf, gather_slots(pool_v, both_idx))
             lo = hi
         mem_idx.append(sel["idx"])
         mem_ok.append(sel["ok"])
         los.append(lo)
         states.append(linear)
+    return sel, linear, lo, mem_idx, mem_ok, los, states
 
-    # 2. answer: every period's queries at once, in blocks of periods
+
+def _answer(c, feature_map, chosen, pk, pool_v, kf_pool, lk_pool, settings) -> Partial:
+    """Step 2: every period's queries at once, in blocks of periods → the call's Partial
+    ``[B, Hkv, G, n, ·]``. ``chosen``: :func:`_choose`'s result; ``pk``: the pool's keys · √scale;
+    ``settings``: ``(window, memory_every, memory, null, (q, k, v))``."""
+    window, e, memory, null, qkv = settings
+    _, _, _, mem_idx, mem_ok, los, states = chosen
+    b, hkv, g, n, p0, pos0 = c.b, c.hkv, c.g, c.n, c.p0, c.pos0
+    dev = pool_v.device
+    nloc = c.lk_raw.shape[2]
+    j0, j1 = p0 // e, (p0 + n - 1) // e
+    periods = j1 - j0 + 1
     off = p0 - j0 * e
     xq_p = _by_period(c.xqg, off, periods, e)  # [B,Hkv,P,G·E,D]
-    pk = pool["k"].to(ct) * root
     if not null:
-        qf, lq = _features(feature_map, c.xqf, True, hkv)  # [B,Hkv,G,n,F], [B,Hkv,G,n] | None
+        qf, lq = map_features(feature_map, c.xqf, True, hkv)  # [B,Hkv,G,n,F], [B,Hkv,G,n] | None
         if c.gated:  # the decay from the anchor to each query
             qg = c.cg[:, :, p0 - pos0 :].unsqueeze(2).expand(b, hkv, g, n)
             lq = qg if lq is None else lq + qg
@@ -170,7 +191,7 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks
         s_loc = lo_t + torch.arange(width, device=dev).view(1, width)  # [P,width] local index
         s_ok = s_loc < nloc
         s_loc = s_loc.clamp_max(nloc - 1)
-    ckpt = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *(() if null else (kf_pool,))))
+    ckpt = torch.is_grad_enabled() and any(x.requires_grad for x in (*qkv, *(() if null else (kf_pool,))))
     parts = []
     for p_lo in range(0, periods, PERIOD_BLOCK):
         p_hi = min(periods, p_lo + PERIOD_BLOCK)
@@ -188,10 +209,7 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks
             out = _answer_block(g, e, *args)
         parts.append(Partial(*out))
     total = Partial(*(torch.cat([getattr(p, f) for p in parts], dim=2) for f in ("num", "den", "log_scale")))
-    total = Partial(_from_period(total.num, g, off, n), _from_period(total.den.unsqueeze(-1), g, off, n).squeeze(-1), _from_period(total.log_scale.unsqueeze(-1), g, off, n).squeeze(-1))
-
-    final = {"ok": sel["ok"], "pos": sel["pos"], "norm": sel["norm"], **{name: _gather(x, sel["idx"]) for name, x in pool.items()}}
-    return _finish(state, c, total, linear, final, lo, km, feature_map.eps)
+    return Partial(_from_period(total.num, g, off, n), _from_period(total.den.unsqueeze(-1), g, off, n).squeeze(-1), _from_period(total.log_scale.unsqueeze(-1), g, off, n).squeeze(-1))
 
 
 __all__ = ["PERIOD_BLOCK", "run_periods"]

@@ -1,7 +1,7 @@
 """The causal hybrid in training as ONE recomputing :class:`torch.autograd.Function`.
 
-The autograd-connected pieces of a checkpointed causal hybrid (:class:`~hf_rfa.ops.recompute.
-BandFunction` for the exact window/sinks, :class:`~hf_rfa.ops.recompute.ScanFunction` for the
+The autograd-connected pieces of a checkpointed causal hybrid (:class:`~hf_rfa.ops.band.recompute.
+BandFunction` for the exact window/sinks, :class:`~hf_rfa.ops.feature.recompute.ScanFunction` for the
 feature scan, then :func:`~hf_rfa.ops.partial.merge` and :func:`~hf_rfa.ops.partial.finalize`)
 each keep their own inputs: the √scale-multiplied queries/keys of the band, the window-shifted
 keys/values of the scan, and the two parts' numerators and denominators for the merge — about
@@ -14,15 +14,15 @@ feature_input="unrotated")`` trains with) the scan reads q/k un-rotated block by
 through :func:`~hf_rfa.ops.rotary.unrotate_adjoint`: nothing more than q, k, v is kept (cos/sin
 are the model's, shared by its layers).
 
-Forward runs, block by block without a graph: the exact band (:func:`~hf_rfa.ops.recompute.
-_band_tiles`; on a CPU where the C++ kernel is usable, for every query at once by its twin
-:func:`~hf_rfa.ops.backends.native.causal_band` — ``HybridSpec.native_band``), the feature scan (:func:`~hf_rfa.ops.recompute._scan_block`) on keys delayed by
+Forward runs, block by block without a graph: the exact band (:func:`~hf_rfa.ops.band.recompute.
+band_tiles`; on a CPU where the C++ kernel is usable, for every query at once by its twin
+:func:`~hf_rfa.ops.backends.native.causal_band` — ``HybridSpec.native_band``), the feature scan (:func:`~hf_rfa.ops.feature.recompute.scan_block`) on keys delayed by
 the window (index arithmetic on k and v, no shifted copy), merge and finalize. Backward walks the
 blocks in reverse: it recomputes the block's scan with autograd from its saved state (carrying the
 state's gradient, as ``ScanFunction``), the band's probabilities, and merge + finalize with
 autograd on the band's block-local num/den; the band's input gradients are then the hand-written
-ones of :func:`~hf_rfa.ops.recompute.band_block_grads`. Both passes evaluate the feature map on
-the parameter tensors passed to forward (:func:`~hf_rfa.ops.recompute.with_params`; backward
+ones of :func:`~hf_rfa.ops.band.recompute.band_block_grads`. Both passes evaluate the feature map on
+the parameter tensors passed to forward (:func:`~hf_rfa.ops.autograd.with_params`; backward
 recomputes on leaves of the saved ones), so ``torch.func.functional_call`` and a parameter
 changed between forward and backward (an error, as in the autograd form) are honoured. Features,
 states and sums are float32 (float64 inputs stay float64). The reference twin is the autograd
@@ -32,36 +32,19 @@ form (``checkpoint_blocks=False``; ``tests/ops/test_hybrid_recompute.py``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from .backends import native
-from .hybrid import BandPlan, band_plan
-from .masks import exp_floor, no_autocast
-from .partial import Partial, finalize, merge
-from .recompute import _add, _band_tiles, _grads, _leaf, _rows, _scan_block, _unrows, band_block_grads, band_numden, map_params, own_params, param_leaves, with_params
-from .recurrent import LinearState
-from .rotary import unrotate, unrotate_adjoint
-from .scan import ScanSpec, plan_blocks, state_matrix
-
-
-@dataclass
-class HybridSpec:
-    """What :class:`HybridFunction` needs besides tensors: the band's layout ``plan``, the feature
-    scan's ``scan`` (None: no feature part — window ≥ N or the ``none`` map), the blocks
-    ``units`` as ``(t0, t1, c0, c1, scan block indices)`` (tokens ``[t0, t1)``, query chunks
-    ``[c0, c1)`` of the band), the window W, √scale ``root``, the normaliser floor ``eps`` and
-    the compute dtype ``ct``."""
-
-    plan: BandPlan
-    scan: ScanSpec | None
-    units: list[tuple[int, int, int, int, list[int]]]
-    window: int
-    root: float
-    eps: float
-    ct: torch.dtype
-    native_band: bool = False
+from ..autograd import add_grad, grads, leaf, map_params, own_params, param_leaves, with_params
+from ..backends import native
+from ..band.plan import band_plan
+from ..band.recompute import band_block_grads, stack_rows, unstack_rows
+from ..feature.scan import ScanSpec, plan_blocks
+from ..masks import exp_floor, no_autocast
+from ..partial import Partial
+from ..rotary import unrotate_adjoint
+from .blocks import HybridSpec, add_window, band_partial, band_unit, block_queries, combine, feature_inputs, feature_unit, initial_state, plan_units, sink_inputs, window_slice
 
 
 def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None, rope=None, native_band: bool = False) -> torch.Tensor:
@@ -106,155 +89,8 @@ def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sin
         names, params = map_params(feature_map)
         scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct, names)
     native_band = native_band and native.usable(q.device, ct)
-    spec = HybridSpec(plan, scan, _units(plan, scan), window, scale**0.5, feature_map.eps, ct, native_band)
+    spec = HybridSpec(plan, scan, plan_units(plan, scan), window, scale**0.5, feature_map.eps, ct, native_band)
     return HybridFunction.apply(spec, q, k, v, feature_q, feature_k, cos, sin, feat_mask if feature else None, lq_add, lk_add, *params)
-
-
-def _units(plan: BandPlan, scan: ScanSpec | None) -> list[tuple[int, int, int, int, list[int]]]:
-    """The band's blocks as token ranges, each with the scan blocks it covers (the two plans cut
-    at the same multiples of the block length; the scan may split the last one in two)."""
-    starts, t = [], 0
-    for size, _ in scan.plan if scan is not None else []:
-        starts.append(t)
-        t += size
-    units = []
-    for c0, c1 in plan.blocks():
-        t0, t1 = c0 * plan.c, min(c1 * plan.c, plan.n)
-        idx = [i for i, s in enumerate(starts) if t0 <= s < t1]
-        if idx and starts[idx[-1]] + scan.plan[idx[-1]][0] != t1:
-            raise RuntimeError(f"scan blocks {scan.plan} do not align with the band's block [{t0}, {t1})")
-        units.append((t0, t1, c0, c1, idx))
-    return units
-
-
-def _window_slice(x: torch.Tensor | None, start: int, stop: int, dim: int, fill=0) -> torch.Tensor | None:
-    """``x`` at positions ``[start, stop)`` along ``dim``, positions outside ``[0, len)`` filled
-    with ``fill`` (a delayed key block: ``start = t0 − W``). A view when nothing is filled."""
-    if x is None:
-        return None
-    n = x.shape[dim]
-    lo, hi = min(max(start, 0), n), max(min(stop, n), 0)
-    body = x.narrow(dim, lo, max(hi - lo, 0))
-    front = max(0, min(stop, 0) - start)  # positions < 0
-    back = max(0, stop - max(start, n))  # positions >= len
-    if front == 0 and back == 0:
-        return body
-    pieces = []
-    for size in (front, back):
-        shape = list(x.shape)
-        shape[dim] = size
-        pieces.append(torch.full(shape, fill, dtype=x.dtype, device=x.device))
-    return torch.cat([pieces[0], body, pieces[1]], dim=dim)
-
-
-def _add_window(dst: torch.Tensor, grad: torch.Tensor, start: int, dim: int) -> None:
-    """``dst[start : start + len(grad)] += grad`` along ``dim``, the part outside ``dst`` dropped
-    (the backward of :func:`_window_slice`)."""
-    n = dst.shape[dim]
-    lo, hi = max(start, 0), min(start + grad.shape[dim], n)
-    if hi > lo:
-        dst.narrow(dim, lo, hi - lo).add_(grad.narrow(dim, lo - start, hi - lo))
-
-
-def _band_unit(spec: HybridSpec, unit, xq, k, v, ks, vs):
-    """Band tiles of one block: ``xq [B,H,T,D]`` the block's queries (compute dtype, unscaled),
-    ``k``/``v`` the whole raw keys/values, ``ks``/``vs`` the sinks' (scaled keys, compute dtype).
-    Returns ``(pb, ps, r, kbu, vbu, q6, start)`` of :func:`~hf_rfa.ops.recompute._band_tiles`
-    with q6 the block's scaled query rows and ``start`` the key position of the band span's first
-    entry."""
-    plan = spec.plan
-    t0, _, c0, c1, _ = unit
-    L, c = c1 - c0, plan.c
-    rows = _window_slice(xq, 0, L * c, 2) * spec.root  # [B,H,L·C,D] (last block: padded rows)
-    q6 = _rows(rows.unflatten(1, (plan.hkv, plan.g)), L, c)
-    kb = vb = None
-    start = t0 - plan.left
-    if plan.window > 0:
-        stop = start + L * c + plan.left + plan.right
-        kb = _window_slice(k, start, stop, 2).to(spec.ct) * spec.root
-        vb = _window_slice(v, start, stop, 2).to(spec.ct)
-    pb, ps, r, kbu, vbu = _band_tiles(plan, c0, c1, q6, kb, vb, ks, vs)
-    return pb, ps, r, kbu, vbu, q6, start
-
-
-def _band_partial(spec: HybridSpec, unit, pb, ps, r, vbu, vs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block's exact ``(num [B,Hkv,G,T,Dv], den, ls [B,Hkv,G,T])`` from its tiles."""
-    t0, t1 = unit[0], unit[1]
-    g, c = spec.plan.g, spec.plan.c
-    num, den = band_numden(pb, ps, vbu, vs)
-    num = _unrows(num, g, c)[..., : t1 - t0, :]
-    den = _unrows(den.unsqueeze(-1), g, c)[..., : t1 - t0, 0]
-    ls = _unrows(r.unsqueeze(-1), g, c)[..., : t1 - t0, 0]
-    return num, den, ls
-
-
-def _feature_inputs(spec: HybridSpec, unit, xq, k, v, feat_mask, lq_add, lk_add, cos=None, sin=None) -> list:
-    """The scan's inputs for the block's queries ``[t0, t1)``: ``xq`` (the block's queries), keys,
-    values, feature mask and key gate term delayed by W (key ``t − W`` for query ``t``; none for
-    ``t < W``), the block's query gate term. Keys/values in the compute dtype; with ``cos``/``sin``
-    ``[B|1, N, Dr]`` the delayed keys un-rotated at their own positions."""
-    t0, t1 = unit[0], unit[1]
-    w, ct = spec.window, spec.ct
-    kb = _window_slice(k, t0 - w, t1 - w, 2).to(ct)
-    if cos is not None:  # (the positions before 0 are zeros, masked: cos 1, sin 0 keeps them finite)
-        kb = unrotate(kb, _window_slice(cos, t0 - w, t1 - w, 1, 1.0), _window_slice(sin, t0 - w, t1 - w, 1, 0.0))
-    vb = _window_slice(v, t0 - w, t1 - w, 2).to(ct)
-    mb = _window_slice(feat_mask, t0 - w, t1 - w, 1, False)
-    lqb = lq_add[..., t0:t1] if lq_add is not None else None
-    lkb = _window_slice(lk_add, t0 - w, t1 - w, 2, 0.0)
-    return [xq, kb, vb, mb, lqb, lkb]
-
-
-def _feature_unit(spec: HybridSpec, unit, S, ref, inputs: list):
-    """Run the scan blocks of one unit from state ``(S, ref)``: ``(part, S', ref', states, refs)``
-    with ``part`` the feature Partial of the unit's rows and the states entering each scan block."""
-    scan = spec.scan
-    idx = unit[4]
-    sizes = [scan.plan[i][0] for i in idx]
-    cut = [torch.split(x, sizes, dim=dim) if x is not None else [None] * len(sizes) for x, dim in zip(inputs, (2, 2, 2, 1, -1, -1))]
-    outs, lss, states, refs = [], [], [], []
-    for j, i in enumerate(idx):
-        states.append(S)
-        refs.append(ref)
-        o, ls, S, ref = _scan_block(scan, scan.plan[i][1], S, ref, *(x[j] for x in cut))
-        outs.append(o)
-        lss.append(ls)
-    o = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
-    ls = torch.cat(lss, dim=-1) if len(lss) > 1 else lss[0]
-    dv = o.shape[-1] - 1
-    return Partial(o[..., :dv], o[..., dv], ls), S, ref, states, refs
-
-
-def _combine(spec: HybridSpec, band: Partial, feat: Partial | None) -> torch.Tensor:
-    """``finalize(merge(band, feat))`` (the autograd form's order) → ``[B,Hkv,G,T,Dv]``."""
-    return finalize(merge(band, feat) if feat is not None else band, spec.eps)
-
-
-def _sinks(spec: HybridSpec, k, v) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The sinks' scaled keys and values ``[B,Hkv,S,·]`` in the compute dtype (None without)."""
-    plan = spec.plan
-    if plan.sinks == 0:
-        return None, None
-    idx = plan.spos[:, None, :, None]
-    ks = torch.gather(k, 2, idx.expand(*k.shape[:2], plan.sinks, k.shape[-1])).to(spec.ct) * spec.root
-    vs = torch.gather(v, 2, idx.expand(*v.shape[:2], plan.sinks, v.shape[-1])).to(spec.ct)
-    return ks, vs
-
-
-def _initial_state(spec: HybridSpec, b: int, hkv: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The empty scan state ``(S [B,Hkv,F,Dv+1], ref [B,Hkv])``."""
-    fdim = spec.scan.feature_map.feature_dim
-    return state_matrix(LinearState.zeros(b, hkv, fdim, dv, device=device, dtype=spec.ct), spec.scan.scaled)
-
-
-def _block_queries(spec: HybridSpec, xq, fq, cos, sin, t0: int, t1: int) -> torch.Tensor:
-    """What the scan reads for the queries ``[t0, t1)`` (``xq``: q's rows there, compute dtype):
-    the feature input's rows, q's rows un-rotated, or ``xq``."""
-    if fq is not None:
-        return fq[:, :, t0:t1].to(spec.ct)
-    if cos is not None:
-        return unrotate(xq, cos[:, t0:t1], sin[:, t0:t1])
-    return xq
 
 
 #: index of the first ``*params`` tensor in :meth:`HybridFunction.forward`'s inputs (after ctx)
@@ -267,8 +103,8 @@ class HybridFunction(torch.autograd.Function):
     None, lq_add [B,Hkv,1|G,N] | None, lk_add [B,Hkv,N] | None, *params)`` → ``[B,Hkv,G,N,Dv]``
     (compute dtype). The band reads q, k; the feature scan reads ``feature_q``/``feature_k``, or
     with ``cos``/``sin`` q/k un-rotated block by block, or else q, k. ``params``: the feature
-    map's parameters named ``spec.scan.names`` (:func:`~hf_rfa.ops.recompute.map_params`; none
-    without a feature part), which both passes bind (:func:`~hf_rfa.ops.recompute.with_params`).
+    map's parameters named ``spec.scan.names`` (:func:`~hf_rfa.ops.autograd.map_params`; none
+    without a feature part), which both passes bind (:func:`~hf_rfa.ops.autograd.with_params`).
     Saves q, k, v, the feature inputs, the parameters, the O(N) mask and gate terms, and the
     scan's state entering each block (see the module docstring)."""
 
@@ -281,8 +117,8 @@ class HybridFunction(torch.autograd.Function):
         fk = k if feature_k is None else feature_k
 
         def run():
-            ks, vs = _sinks(spec, k, v)
-            S, ref = _initial_state(spec, b, hkv, dv, q.device) if spec.scan is not None else (None, None)
+            ks, vs = sink_inputs(spec, k, v)
+            S, ref = initial_state(spec, b, hkv, dv, q.device) if spec.scan is not None else (None, None)
             whole = _native_band(spec, q, k, v) if spec.native_band else None
             for unit in spec.units:
                 t0, t1 = unit[0], unit[1]
@@ -291,15 +127,15 @@ class HybridFunction(torch.autograd.Function):
                 if whole is not None:
                     band = Partial(whole[0][..., t0:t1, :], whole[1][..., t0:t1], whole[2][..., t0:t1])
                 else:
-                    pb, ps, r, _, vbu, _, _ = _band_unit(spec, unit, xq, k, v, ks, vs)
-                    band = Partial(*_band_partial(spec, unit, pb, ps, r, vbu, vs))
+                    pb, ps, r, _, vbu, _, _ = band_unit(spec, unit, xq, k, v, ks, vs)
+                    band = Partial(*band_partial(spec, unit, pb, ps, r, vbu, vs))
                 feat = None
                 if spec.scan is not None:
-                    fq = _block_queries(spec, xq, feature_q, cos, sin, t0, t1)
-                    feat, S, ref, st, rf = _feature_unit(spec, unit, S, ref, _feature_inputs(spec, unit, fq, fk, v, feat_mask, lq_add, lk_add, cos, sin))
+                    fq = block_queries(spec, xq, feature_q, cos, sin, t0, t1)
+                    feat, S, ref, st, rf = feature_unit(spec, unit, S, ref, feature_inputs(spec, unit, fq, fk, v, feat_mask, lq_add, lk_add, cos, sin))
                     states.extend(st)
                     refs.extend(rf)
-                out[:, :, :, t0:t1] = _combine(spec, band, feat)
+                out[:, :, :, t0:t1] = combine(spec, band, feat)
 
         with torch.no_grad():
             _bound(spec, params, run)
@@ -314,15 +150,16 @@ class HybridFunction(torch.autograd.Function):
     def backward(ctx, dout):
         spec: HybridSpec = ctx.spec
         q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
+        inputs = _Saved(q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs)
         params = _backward_params(ctx, spec, saved)
         acc = _Grads(spec, q, k, v, fq, fk, lq_add, lk_add, len(params), cos is not None)
         dS = None
 
         def run():
             nonlocal dS
-            ks, vs = _sinks(spec, k, v)
+            ks, vs = sink_inputs(spec, k, v)
             for unit in reversed(spec.units):
-                dS = _unit_backward(spec, unit, q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc)
+                dS = _unit_backward(spec, unit, inputs, (ks, vs), params, dout, dS, acc)
 
         _bound(spec, params, run)
         return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, cos, sin, lq_add, lk_add))
@@ -349,7 +186,7 @@ def _backward_params(ctx, spec: HybridSpec, saved) -> list:
     an in-place change): the parameters themselves — nothing to rebind, so ``torch.compile`` traces
     the backward without a graph break (under compilation the saved tensors are graph values, so
     forward's identity check decides). Otherwise leaves of the saved tensors, bound again for the
-    recomputation (:func:`~hf_rfa.ops.recompute.with_params`)."""
+    recomputation (:func:`~hf_rfa.ops.autograd.with_params`)."""
     if ctx.own_params:
         fm, names = spec.scan.feature_map, spec.scan.names
         if torch.compiler.is_compiling() or own_params(fm, names, saved):
@@ -405,34 +242,54 @@ class _Grads:
         return [g if g is not None and needs[i + 1] else None for i, g in enumerate(got)]
 
 
-def _unit_backward(spec: HybridSpec, unit, q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, ks, vs, states, refs, params, dout, dS, acc: _Grads):
+class _Saved(NamedTuple):
+    """What :meth:`HybridFunction.backward` reads back: the inputs it saved (see its forward) and
+    the scan's state entering each block (``states``/``refs``, None without a feature part)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    fq: torch.Tensor | None
+    fk: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    feat_mask: torch.Tensor | None
+    lq_add: torch.Tensor | None
+    lk_add: torch.Tensor | None
+    states: torch.Tensor | None
+    refs: torch.Tensor | None
+
+
+def _unit_backward(spec: HybridSpec, unit, x: _Saved, sinks: tuple, params, dout, dS, acc: _Grads):
     """One block of :meth:`HybridFunction.backward` (run with the map's parameters bound to the
     leaves ``params``): recompute, differentiate, accumulate into ``acc``; returns the gradient
-    of the state entering the block (None without a feature part). ``fq``/``fk``: the feature
-    inputs or None (the scan reads q/k, un-rotated with ``cos``/``sin`` when given)."""
+    of the state entering the block (None without a feature part). ``x.fq``/``x.fk``: the feature
+    inputs or None (the scan reads q/k, un-rotated with ``x.cos``/``x.sin`` when given);
+    ``sinks``: the sinks' scaled keys and values ``(ks, vs)``."""
     t0, t1 = unit[0], unit[1]
-    xq = q[:, :, t0:t1].to(spec.ct)
-    pb, ps, r, kbu, vbu, q6, start = _band_unit(spec, unit, xq, k, v, ks, vs)
-    num_b, den_b, ls_b = _band_partial(spec, unit, pb, ps, r, vbu, vs)
-    num_b, den_b = _leaf(num_b), _leaf(den_b)
+    ks, vs = sinks
+    xq = x.q[:, :, t0:t1].to(spec.ct)
+    pb, ps, r, kbu, vbu, q6, start = band_unit(spec, unit, xq, x.k, x.v, ks, vs)
+    num_b, den_b, ls_b = band_partial(spec, unit, pb, ps, r, vbu, vs)
+    num_b, den_b = leaf(num_b), leaf(den_b)
     feat = S_in = S_out = None
     leaves: list = []
     if spec.scan is not None:
-        xf = _block_queries(spec, xq, fq, cos, sin, t0, t1)
-        leaves = [_leaf(x) for x in _feature_inputs(spec, unit, xf, k if fk is None else fk, v, feat_mask, lq_add, lk_add, cos, sin)]
+        xf = block_queries(spec, xq, x.fq, x.cos, x.sin, t0, t1)
+        leaves = [leaf(y) for y in feature_inputs(spec, unit, xf, x.k if x.fk is None else x.fk, x.v, x.feat_mask, x.lq_add, x.lk_add, x.cos, x.sin)]
         i0 = unit[4][0]
-        S_in = states[i0].detach().requires_grad_()
+        S_in = x.states[i0].detach().requires_grad_()
         with torch.enable_grad():
-            feat, S_out, _, _, _ = _feature_unit(spec, unit, S_in, refs[i0], leaves)
+            feat, S_out, _, _, _ = feature_unit(spec, unit, S_in, x.refs[i0], leaves)
     with torch.enable_grad():
-        out = _combine(spec, Partial(num_b, den_b, ls_b), feat)
-    live = [x for x in leaves if x is not None and x.is_floating_point()]
-    got = _grads([out, S_out], [dout[:, :, :, t0:t1], dS], [num_b, den_b, S_in, *params, *live])
+        out = combine(spec, Partial(num_b, den_b, ls_b), feat)
+    live = [y for y in leaves if y is not None and y.is_floating_point()]
+    got = grads([out, S_out], [dout[:, :, :, t0:t1], dS], [num_b, den_b, S_in, *params, *live])
     dnum_b, dden_b, dS_in = got[:3]
-    acc.dparams = [_add(a, g_) for a, g_ in zip(acc.dparams, got[3 : 3 + len(params)])]
+    acc.dparams = [add_grad(a, g_) for a, g_ in zip(acc.dparams, got[3 : 3 + len(params)])]
     if live:
         _scatter_feature_grads(spec, unit, leaves, got[3 + len(params) :], acc)
-    _scatter_band_grads(spec, unit, pb, ps, q6, kbu, vbu, ks, vs, dnum_b, dden_b, start, acc)
+    _scatter_band_grads(spec, unit, (pb, ps, q6, kbu, vbu, ks, vs, start), dnum_b, dden_b, acc)
     return dS_in
 
 
@@ -450,29 +307,31 @@ def _scatter_feature_grads(spec: HybridSpec, unit, leaves: list, grads: list, ac
     if named.get("q") is not None:
         acc.dfq[:, :, t0:t1] += named["q"]
     if named.get("k") is not None:
-        _add_window(acc.dfk, named["k"], t0 - w, 2)
+        add_window(acc.dfk, named["k"], t0 - w, 2)
     if named.get("v") is not None:
-        _add_window(acc.dv, named["v"], t0 - w, 2)
+        add_window(acc.dv, named["v"], t0 - w, 2)
     if named.get("lq") is not None and acc.dlq is not None:
         acc.dlq[..., t0:t1] += named["lq"]
     if named.get("lk") is not None and acc.dlk is not None:
-        _add_window(acc.dlk, named["lk"], t0 - w, 2)
+        add_window(acc.dlk, named["lk"], t0 - w, 2)
 
 
-def _scatter_band_grads(spec: HybridSpec, unit, pb, ps, q6, kbu, vbu, ks, vs, dnum_b, dden_b, start: int, acc: _Grads) -> None:
-    """The band's hand-written backward (:func:`~hf_rfa.ops.recompute.band_block_grads`) from the
-    gradients of the block's exact ``num [B,Hkv,G,T,Dv]``/``den [B,Hkv,G,T]``, added into ``acc``."""
+def _scatter_band_grads(spec: HybridSpec, unit, tiles: tuple, dnum_b, dden_b, acc: _Grads) -> None:
+    """The band's hand-written backward (:func:`~hf_rfa.ops.band.recompute.band_block_grads`) from the
+    gradients of the block's exact ``num [B,Hkv,G,T,Dv]``/``den [B,Hkv,G,T]``, added into ``acc``;
+    ``tiles``: ``(pb, ps, q6, kbu, vbu, ks, vs, start)`` of the block (:func:`~.blocks.band_unit`)."""
     plan = spec.plan
+    pb, ps, q6, kbu, vbu, ks, vs, start = tiles
     t0, t1, c0, c1, _ = unit
     L, c, rows = c1 - c0, plan.c, (c1 - c0) * plan.c
-    dn6 = _rows(_window_slice(dnum_b, 0, rows, 3), L, c)
-    dd6 = _rows(_window_slice(dden_b, 0, rows, 3).unsqueeze(-1), L, c)
+    dn6 = stack_rows(window_slice(dnum_b, 0, rows, 3), L, c)
+    dd6 = stack_rows(window_slice(dden_b, 0, rows, 3).unsqueeze(-1), L, c)
     dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)
-    dq = _unrows(dq6, plan.g, c)[..., : t1 - t0, :] * spec.root
+    dq = unstack_rows(dq6, plan.g, c)[..., : t1 - t0, :] * spec.root
     acc.dq[:, :, t0:t1] += dq.flatten(1, 2)
     if gk is not None:
-        _add_window(acc.dk, gk * spec.root, start, 2)
-        _add_window(acc.dv, gv, start, 2)
+        add_window(acc.dk, gk * spec.root, start, 2)
+        add_window(acc.dv, gv, start, 2)
     if gks is not None:
         acc.dks = gks if acc.dks is None else acc.dks.add_(gks)
         acc.dvs = gvs if acc.dvs is None else acc.dvs.add_(gvs)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from .chunkwise import with_ones
-from .masks import NEG
-from .partial import Partial
+from ..masks import NEG
+from ..partial import Partial
 from .scan import DEFAULT_BLOCK_SIZE
 
 

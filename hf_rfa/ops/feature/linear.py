@@ -5,10 +5,10 @@ grouped-query attention without materialising repeated K/V), ``kf [B, Hkv, N, F]
 for keys that must not contribute), ``v [B, Hkv, N, Dv]``, and optional log scales ``lq
 [B, Hkv, G, N]``, ``lk [B, Hkv, N]`` (NEG for skipped keys). Outputs are :class:`Partial`\\ s.
 
-The causal form runs the block scan of :mod:`hf_rfa.ops.scan` (one block:
-:mod:`hf_rfa.ops.chunkwise`). These are the autograd forms on whole-sequence features; the fused
-forms that apply the feature map block by block are :mod:`hf_rfa.ops.fused` (causal) and
-:mod:`hf_rfa.ops.bidirectional`.
+The causal form runs the block scan of :mod:`hf_rfa.ops.feature.scan` (one block:
+:mod:`hf_rfa.ops.feature.chunkwise`). These are the autograd forms on whole-sequence features; the fused
+forms that apply the feature map block by block are :mod:`hf_rfa.ops.feature.fused` (causal) and
+:mod:`hf_rfa.ops.feature.bidirectional`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from .chunkwise import Block
-from .masks import needs_grad
-from .partial import Partial
-from .recurrent import LinearState
+from ..masks import NEG, needs_grad
+from ..partial import Partial
+from ..recurrent import LinearState
 from .scan import causal_scan, plan_blocks, split_tokens
 
 
@@ -54,7 +54,7 @@ def causal_linear(
 
     Any N (the last chunk may be short). Returns the Partial for all N queries and the state
     after the last key (for decoding or the next segment). ``block_size``: tokens per batched
-    block (default :data:`hf_rfa.ops.scan.DEFAULT_BLOCK_SIZE`; bounds the working set, not the result).
+    block (default :data:`hf_rfa.ops.feature.scan.DEFAULT_BLOCK_SIZE`; bounds the working set, not the result).
     """
     b, hkv, g, n, f = qf.shape
     dv = v.shape[-1]
@@ -87,4 +87,20 @@ def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.
     return torch.cat([pad, kept], dim=dim)
 
 
-__all__ = ["bidirectional_linear", "causal_linear", "shift_keys"]
+def bidirectional_window_parts(qf, lq, kf, lk, vv, window: int, chunk_size: int) -> list[Partial]:
+    """Feature part of bidirectional attention from precomputed features (``qf [B,Hkv,G,N,F]``,
+    ``kf [B,Hkv,N,F]``, log scales or None, ``vv [B,Hkv,N,Dv]``): all keys (``window == 0``) or
+    the band outside the window, keys s <= t - W (forward pass) and s >= t + W (reversed pass)."""
+    if window == 0:
+        return [bidirectional_linear(qf, lq, kf, lk, vv)]
+    ks, vs = shift_keys(kf, window, 0.0), shift_keys(vv, window, 0.0)
+    ls = shift_keys(lk, window, NEG) if lk is not None else None
+    forward = causal_linear(qf, lq, ks, ls, vs, chunk_size)[0]
+    fl = lambda x, dim: x.flip(dim) if x is not None else None  # noqa: E731
+    kr, vr = shift_keys(fl(kf, 2), window, 0.0), shift_keys(fl(vv, 2), window, 0.0)
+    lr = shift_keys(fl(lk, 2), window, NEG) if lk is not None else None
+    rev = causal_linear(fl(qf, 3), fl(lq, 3), kr, lr, vr, chunk_size)[0]
+    return [forward, Partial(rev.num.flip(3), rev.den.flip(3), rev.log_scale.flip(3))]
+
+
+__all__ = ["bidirectional_linear", "bidirectional_window_parts", "causal_linear", "shift_keys"]

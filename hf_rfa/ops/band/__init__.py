@@ -1,0 +1,1 @@
+"""The exact band: softmax over the local window and the attention sinks."""

@@ -1,0 +1,1 @@
+"""The feature part: attention through the feature map (linear in the sequence length)."""

@@ -1,0 +1,1 @@
+"""The causal hybrid (exact band + feature scan) in training as one recomputing Function."""

@@ -1,0 +1,211 @@
+"""A bounded exact global memory for causal attention (``RFAConfig.memory``).
+
+Besides the exact window (the last W keys) and the sinks (the first S real tokens), each kv head
+keeps at most ``memory`` = M older keys *exactly*: they get ``exp(q·k·scale)`` weights under the
+same normaliser, and the feature part (or, with ``feature_map="none"``, nothing) answers only
+the keys outside window, sinks and memory.
+
+Definition (its brute-force twin is :func:`hf_rfa.ops.reference.memory_membership`): the memory
+is re-chosen at every position r that is a multiple of E = ``memory_every``, *before* query r is
+answered, and queries ``r … r+E−1`` use it. It is the M keys with the largest ``‖v‖`` (compared
+at a resolution of 0.07 %, :func:`value_norm`; ties: the older key) among the real, non-sink keys ``s ≤ r − W`` — those older than the window of query
+r (which is ``(r − W, r]``; with W = 0 every key ``s ≤ r``). Keys in the memory are exact; keys
+that left the window but are not in the memory are feature keys.
+
+Incremental form (this module), with no subtraction from the feature state: the candidates at r
+are the previous memory plus the keys ``r − E − W < s ≤ r − W`` (a top-M of a union is the top-M
+of the old top-M and the new keys), so
+
+- a key that leaves the window between refreshes (``r − W < s ≤ t − W`` for query t of the period
+  starting at r) is a *pending* feature key until the next refresh (queries read
+  pending keys directly: a causal ``[C, ≤E]`` product per query chunk, like the intra-chunk part
+  of the chunkwise form);
+- at the refresh it either enters the memory or is folded into the linear feature state ``S, z``
+  for good (a key that is not chosen at its first refresh never will be); a memory key that is
+  displaced is folded at that refresh (it never comes back).
+
+So the feature state only ever *adds* keys (``recurrent.fold``): each query's feature part is
+exactly the sum over its non-memory keys, without cancellation. One implementation,
+:func:`run_sequential`, serves both prefill (:func:`memory_attention`, called by
+``random_feature_attention(memory=M)``) and cached decoding (:func:`continue_memory_attention`,
+used by ``RFACache``): a call processes its queries period by period (refresh boundaries) and
+within a period in chunks of ``chunk_size`` queries.
+
+State bound per (batch row, kv head): M memory keys/values (+ position, norm, flag), at most
+``W + E`` buffered keys/values (the window and the pending keys), S sinks and the ``F × Dv``
+feature state — independent of the context length (:meth:`MemoryState.nbytes`).
+
+Scores (``memory_score``, :data:`MEMORY_SCORES`, :mod:`hf_rfa.ops.memory.scores`): ``"value_norm"`` (above, the default) or
+``"feature_error"`` — the error with which the feature state recalls the key's value when the key
+is the query, measured once, against the state at the key's first refresh (before that refresh's
+keys are folded; :func:`feature_error`), as LoLA (arXiv 2505.23666) caches the keys the linear
+state represents worst. A key's score never changes after its first refresh, so "a key not chosen
+at its first refresh never will be" holds for both (twin: ``reference.memory_membership``).
+
+Gated maps and decays (``RFAConfig(decay=H)``, RFA's gate): a feature key s weighs
+``exp(G_t − G_s) (1 − g_s)`` for query t, G the cumulative log gate, as in the op without memory.
+The state is kept *anchored* at the position before the buffer's first key: a key folded at a
+refresh enters with its weight as of the anchor (``G_anchor − G_s + log(1 − g_s)``, computed from
+the buffer's cumulative gate; memory keys carry theirs, ``MemoryState.mem_lg``), a query adds
+the decay from the anchor to itself, pending keys get both, and at the end of a call the state and
+the memory's weights move to the new anchor (:func:`recurrent.decay`). Exact keys (window, sinks,
+memory) are never decayed.
+
+Scope: causal only; refresh positions are absolute positions (padding
+included), like the window, so a left-padded row refreshes at other token counts than the same
+row unpadded. The selection is a non-differentiable choice of indices; gradients flow through
+q, k, v of the chosen keys. Runs plain PyTorch (autograd and inference alike) whatever the
+backend; ``checkpoint_blocks`` does not apply. Calls of more than one period (prefill, long chunks)
+run the period-parallel form :func:`hf_rfa.ops.memory.periods.run_periods` (choose sequentially,
+answer every period's queries batched; under autograd it recomputes each block of periods in
+backward); decoding steps run :func:`run_sequential`, its twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..masks import MAX_CHUNK, MAX_SINKS, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, no_autocast, to_output_dtype, validate_qkv
+from . import periods
+from .scores import MEMORY_SCORES, feature_error, value_norm
+from .sequential import run_sequential
+from .state import MAX_MEMORY, MemoryState, check_memory_args
+
+
+def _dispatch(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+    """:func:`run_sequential`'s arguments → its result, by the period-parallel form
+    (:func:`hf_rfa.ops.memory.periods.run_periods`) for calls of more than one period's tokens
+    and by the sequential form for shorter ones (decoding steps)."""
+    if q.shape[2] > memory_every:
+        return periods.run_periods(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
+    return run_sequential(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
+
+
+def memory_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    key_mask: torch.Tensor | None,
+    window: int,
+    sinks: int,
+    memory: int,
+    memory_every: int,
+    scale: float,
+    chunk_size: int = 64,
+    native_band: bool = False,
+    memory_score: str = "value_norm",
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal hybrid attention with an exact memory over a whole sequence (the prefill form;
+    ``random_feature_attention(memory=M)`` calls it on checked, finite inputs; ``native_band``:
+    the exact window/sink part runs the compiled CPU kernel, as the op without memory does;
+    ``memory_score``: how the memory ranks its candidates, :data:`MEMORY_SCORES`;
+    ``feature_q``/``feature_k``: what the feature part reads, shapes of q/k, e.g. un-rotated).
+
+    q ``[B, H, Nq, D]`` (the last Nq of the Nk positions), k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk,
+    Dv]``, key_mask ``[B, Nk]`` bool or None → ``[B, H, Nq, Dv]`` in q's dtype.
+    """
+    b, h, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if nq < nk:  # queries are the last Nq positions
+        q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
+        if feature_q is not None:
+            feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
+    km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
+    out, _ = _dispatch(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, feature_q, feature_k)
+    return to_output_dtype(out[:, :, nk - nq :], q.dtype)
+
+
+def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score="value_norm", feature_q=None, feature_k=None):
+    """Arguments of :func:`continue_memory_attention` against each other and the state
+    (ValueError naming the argument); returns ``(B, H, n, D, Hkv, Dv)``."""
+    if not isinstance(state, MemoryState):
+        raise ValueError(f"state must be a MemoryState (MemoryState.empty before the first token), got {type(state).__name__}")
+    b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)
+    if nk != n:
+        raise ValueError(f"k and v must hold the n={n} new tokens of q, got {nk}")
+    check_feature_map(feature_map, d)
+    check_int("window", window)
+    check_int("sinks", sinks, 0, MAX_SINKS)
+    check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
+    check_memory_args(memory, memory_every, True, feature_map, memory_score)
+    check_scale(scale)
+    if memory < 1:
+        raise ValueError(f"memory must be >= 1 for a MemoryState (memory=0: ops.decode.continue_attention), got {memory}")
+    if getattr(feature_map, "null", False) and window == 0 and sinks == 0:
+        raise ValueError("feature_map='none' needs window > 0 or sinks > 0 (otherwise no key is attended)")
+    sb, shkv, fdim, sdv = state.base.linear.S.shape
+    if (sb, shkv) != (b, hkv):
+        raise ValueError(f"state has batch {sb} and {shkv} kv heads; q has batch {b}, k has {hkv} kv heads")
+    if state.base.win_k.shape[-1] != d or sdv != v.shape[-1]:
+        raise ValueError(f"state holds head dim D={state.base.win_k.shape[-1]} and value dim Dv={sdv}; k has D={d}, v has Dv={v.shape[-1]}")
+    if fdim != feature_map.feature_dim:
+        raise ValueError(f"state holds feature_dim={fdim} but the feature map has feature_dim={feature_map.feature_dim}")
+    if state.base.sink_k.shape[2] != sinks:
+        raise ValueError(f"state keeps {state.base.sink_k.shape[2]} sinks but sinks={sinks}")
+    if state.memory != memory:
+        raise ValueError(f"state keeps memory={state.memory} slots but memory={memory}")
+    check_feature_inputs(q, k, feature_q, feature_k)
+    if (feature_k is None) != (state.mem_kf is None):
+        raise ValueError(
+            "feature_q/feature_k must be given exactly when the state keeps feature keys "
+            f"(MemoryState.empty(feature_keys=True)); state keeps them: {state.mem_kf is not None}, given: {feature_k is not None}"
+        )
+    if state.base.linear.S.device != q.device:
+        raise ValueError(f"state is on {state.base.linear.S.device} but q is on {q.device}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, n)):
+        raise ValueError(f"attention_mask must be [B, n] = [{b}, {n}] for the new tokens, got {tuple(getattr(attention_mask, 'shape', ()))}")
+    return b, h, n, d, hkv, v.shape[-1]
+
+
+@no_autocast
+def continue_memory_attention(
+    state: MemoryState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map,
+    attention_mask: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    memory: int = 1,
+    memory_every: int = 64,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    memory_score: str = "value_norm",
+    feature_q: torch.Tensor | None = None,
+    feature_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, MemoryState]:
+    """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
+    :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
+    before any computation, padded keys change nothing, non-finite inputs poison the rows softmax
+    would).
+
+    q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]``, attention_mask ``[B, n]`` →
+    ``(out [B, H, n, Dv]`` in q's dtype, new state). Any split of a sequence into calls gives the
+    outputs of one :func:`memory_attention` over it (up to float rounding). ``feature_q``/
+    ``feature_k`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
+    state was built with ``feature_keys=True``.
+    """
+    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score, feature_q, feature_k)
+    if b == 0 or n == 0:
+        return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
+    scale = d**-0.5 if scale is None else float(scale)
+    km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
+    q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
+    if feature_q is not None:  # un-rotated q/k are non-finite where q/k are (poisoned above): kept out of the state
+        feature_q, feature_k = (torch.where(torch.isfinite(x), x, torch.zeros_like(x)) for x in (feature_q, feature_k))
+    out, new = _dispatch(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score, fq=feature_q, fk=feature_k)
+    new = replace(new, base=replace(new.base, nonfinite=nonfinite))
+    if poison is not None:
+        out = out.masked_fill(poison[..., None], float("nan"))
+    return to_output_dtype(out, q.dtype), new
+
+
+__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
