@@ -293,3 +293,17 @@ def saturate_grad(x: torch.Tensor | None) -> torch.Tensor | None:
         return x
     return _SaturateGrad.apply(x)
 
+
+def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
+    """Delay a key-axis tensor by ``shift`` positions (front-filled with ``fill``), same length.
+
+    Query t then sees original keys s ≤ t − shift: the feature part of a causal hybrid window.
+    """
+    n = x.shape[dim]
+    if shift <= 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = min(shift, n)
+    pad = torch.full(pad_shape, fill, dtype=x.dtype, device=x.device)
+    kept = x.narrow(dim, 0, max(n - shift, 0))
+    return torch.cat([pad, kept], dim=dim)

@@ -121,13 +121,7 @@ def quadratic_kernel_attention(
         logmag = lq.unsqueeze(-1) + lk.unsqueeze(-2)  # log of the feature magnitudes
     t, s = _positions(nq, nk, q.device)
     if causal and feature_map.has_gate:
-        km0 = key_mask_bool(attention_mask, b, nk, q.device)
-        logg, log1mg = feature_map.log_gate(ks_f)  # [B,Hkv,Nk]
-        if km0 is not None:
-            logg = logg * km0.view(b, 1, nk)
-        cg = _expand_kv(torch.cumsum(logg, dim=-1).unsqueeze(-1), g).squeeze(-1)  # [B,H,Nk]
-        # decay from s to t: exp(G_t − G_s) (1 − g_s)
-        logmag = logmag + cg[..., nk - nq :].unsqueeze(-1) - cg.unsqueeze(-2) + _expand_kv(log1mg.unsqueeze(-1), g).squeeze(-1).unsqueeze(-2)
+        logmag = logmag + _gate_log_decay(feature_map, ks_f, attention_mask, nq, g)
     exact = _exact_region(nq, nk, causal, window, q.device).view(1, 1, nq, nk)
     visible = (s <= t) if causal else torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     visible = visible.view(1, 1, nq, nk)
@@ -153,6 +147,18 @@ def quadratic_kernel_attention(
     w = w_exact + w_feat
     den = w.sum(-1, keepdim=True).clamp_min(feature_map.eps)
     return ((w @ _expand_kv(v.to(ct), g)) / den).to(q.dtype)
+
+
+def _gate_log_decay(feature_map: FeatureMap, ks_f: torch.Tensor, attention_mask: torch.Tensor | None, nq: int, g: int) -> torch.Tensor:
+    """A gated map's log decay from key s to query t, ``G_t − G_s + log(1 − g_s)`` ``[B, H, Nq, Nk]``
+    (padded keys do not decay the state)."""
+    b, _, nk, _ = ks_f.shape
+    km0 = key_mask_bool(attention_mask, b, nk, ks_f.device)
+    logg, log1mg = feature_map.log_gate(ks_f)  # [B,Hkv,Nk]
+    if km0 is not None:
+        logg = logg * km0.view(b, 1, nk)
+    cg = _expand_kv(torch.cumsum(logg, dim=-1).unsqueeze(-1), g).squeeze(-1)  # [B,H,Nk]
+    return cg[..., nk - nq :].unsqueeze(-1) - cg.unsqueeze(-2) + _expand_kv(log1mg.unsqueeze(-1), g).squeeze(-1).unsqueeze(-2)
 
 
 def _top(cand: torch.Tensor, score: torch.Tensor, memory: int) -> torch.Tensor:

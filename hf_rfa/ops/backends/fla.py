@@ -35,7 +35,7 @@ import importlib.util
 
 import torch
 
-from ..masks import NEG
+from ..masks import NEG, shift_keys
 from ..partial import Partial
 
 #: largest gap (nats) between the call's key reference and a row's own maximum log weight
@@ -55,8 +55,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _kernel():
-    from fla.ops.simple_gla import chunk_simple_gla  # optional dependency: imported when used
-
+    # optional dependency, imported when used; inside try so that transformers' remote-code import
+    # check (which skips try blocks) does not require fla-core to load an exported model
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:
+        raise ImportError(f"the 'fla' backend needs fla-core (pip install hf_rfa[gpu]): {e}") from None
     return chunk_simple_gla
 
 
@@ -66,8 +70,6 @@ def scan_terms(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int, r
     values and key log scales already delayed by ``window`` (the decay over it in ``lk``); keys
     that are not feature keys (``feat_mask [B, N]`` False: padding, sinks) have zero features and
     log scale NEG. ``fq_in``/``fk_in`` are what the map reads (multiplied by ``root`` here)."""
-    from ..feature.linear import shift_keys
-
     ct = torch.float64 if fq_in.dtype == torch.float64 else torch.float32
     xk = fk_in.to(ct) * root
     fq, fk = feature_map.forward_queries(fq_in.to(ct) * root), feature_map.forward_keys(xk)

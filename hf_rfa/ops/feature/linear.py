@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .chunkwise import Block
-from ..masks import NEG, needs_grad
+from ..masks import NEG, needs_grad, shift_keys
 from ..partial import Partial
 from ..recurrent import LinearState
 from .scan import causal_scan, plan_blocks, split_tokens
@@ -70,21 +70,6 @@ def causal_linear(
 
     infer = not needs_grad(qf, lq, kf, lk, v, state.S, state.z, state.ref)
     return causal_scan(get, plan, state, lk is not None, g, infer)
-
-
-def shift_keys(x: torch.Tensor, shift: int, fill: float, dim: int = 2) -> torch.Tensor:
-    """Delay a key-axis tensor by ``shift`` positions (front-filled with ``fill``), same length.
-
-    Query t then sees original keys s ≤ t − shift: the feature part of a causal hybrid window.
-    """
-    n = x.shape[dim]
-    if shift <= 0:
-        return x
-    pad_shape = list(x.shape)
-    pad_shape[dim] = min(shift, n)
-    pad = torch.full(pad_shape, fill, dtype=x.dtype, device=x.device)
-    kept = x.narrow(dim, 0, max(n - shift, 0))
-    return torch.cat([pad, kept], dim=dim)
 
 
 def bidirectional_window_parts(qf, lq, kf, lk, vv, window: int, chunk_size: int) -> list[Partial]:
