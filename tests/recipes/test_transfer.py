@@ -95,7 +95,8 @@ def test_recipes_run_the_op_and_transfer_follows_its_twin_rule(monkeypatch):
     real_op, real_twin = calibration.random_feature_attention, transfer.quadratic_kernel_attention
     monkeypatch.setattr(calibration, "random_feature_attention", lambda *a, **k: calls.append(k["checkpoint_blocks"]) or real_op(*a, **k))
     # LoRA trains through the "rfa" attention itself (RFAAttention.forward), what a user's Trainer runs
-    monkeypatch.setattr(hf_attention, "random_feature_attention", lambda *a, **k: calls.append(k["checkpoint_blocks"]) or real_op(*a, **k))
+    real_attend = hf_attention.attend  # the op on the layer's AttentionSpec (5th argument)
+    monkeypatch.setattr(hf_attention, "attend", lambda *a, **k: calls.append(a[4].checkpoint_blocks) or real_attend(*a, **k))
     monkeypatch.setattr(transfer, "quadratic_kernel_attention", lambda *a, **k: twins.append(1) or real_twin(*a, **k))
     assert 64 <= transfer.TWIN_MAX_KEYS < 1024  # tiny contexts: the twin; the pipeline's 1024: the op
     m = tiny_model("llama")
@@ -369,13 +370,13 @@ def test_lora_under_autocast_keeps_q_k_in_the_autocast_dtype(monkeypatch):
     m = tiny_model("llama")
     hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated", seed=0))
     seen = []
-    real_op = hf_attention.random_feature_attention
+    real_op = hf_attention.attend
 
     def spy(q, k, v, *a, **kw):
         seen.append((q.dtype, k.dtype, v.dtype, kw.get("feature_q") is None, kw.get("feature_rope") is not None))
         return real_op(q, k, v, *a, **kw)
 
-    monkeypatch.setattr(hf_attention, "random_feature_attention", spy)
+    monkeypatch.setattr(hf_attention, "attend", spy)
     transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 32, 1, 0), tokens=32, progress=False, autocast=torch.bfloat16)
     assert len(seen) == m.config.num_hidden_layers
     assert set(seen) == {(torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True)}
