@@ -49,9 +49,9 @@ def tiny(tmp_path_factory):
 
 
 def _args(tiny, out, *extra):
-    return ["--model", tiny["llama"], "--output", str(out), "--feature-map", "hedgehog", "--num-features", "8", "--window", "4",
+    return ["--model", tiny["llama"], "--output", str(out), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4",
             "--sinks", "1", "--decay", "16", "--transfer-tokens", "128", "--lora-tokens", "64", "--context", "32", "--eval-contexts", "32",
-            "--eval-tokens", "128", "--error-tokens", "32", "--no-baselines", "--no-window-only-baseline", "--generate-tokens", "4",
+            "--eval-tokens", "128", "--error-tokens", "32", "--generate-tokens", "4",
             "--no-progress", "--calibration-text", tiny["cal"], "--eval-text", tiny["eval"], *extra]
 
 

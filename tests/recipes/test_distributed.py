@@ -58,9 +58,9 @@ def test_two_processes_equal_one(tmp_path):
     _tokenizer().save_pretrained(tmp_path / "llama")
     (tmp_path / "cal.txt").write_text(_text(2000, 0))
     (tmp_path / "eval.txt").write_text(_text(2000, 1))
-    args = ["--model", str(tmp_path / "llama"), "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
+    args = ["--model", str(tmp_path / "llama"), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
             "--decay", "16", "--transfer-tokens", "256", "--lora-tokens", "256", "--batch-size", "2", "--context", "32",
-            "--eval-contexts", "32", "--eval-tokens", "512", "--error-tokens", "32", "--no-baselines", "--no-window-only-baseline",
+            "--eval-contexts", "32", "--eval-tokens", "512", "--error-tokens", "32",
             "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
     _convert([*args, "--output", str(tmp_path / "one")], 1)
     _convert([*args, "--output", str(tmp_path / "two")], 2)

@@ -89,3 +89,14 @@ def test_a_config_folder_works_like_its_file():
     a = memory_plan.plan(_cfg(LLAMA3_8B, dtype="bfloat16", device="cpu"), runtime_bytes=0)
     b = memory_plan.plan(_cfg(os.path.dirname(LLAMA3_8B), dtype="bfloat16", device="cpu"), runtime_bytes=0)
     assert a.parts == b.parts and a.counts["frozen"] == 8_030_261_248
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(window_only_baseline=True), dict(baselines=True)])
+def test_the_baseline_copy_is_planned_exactly_when_the_window_only_baseline_runs(tiny_llama, flags):
+    """The window-only baseline trains its LoRA on a copy of the model: planned with
+    ``--window-only-baseline`` and with ``--baselines`` (which includes it), not without either."""
+    p = memory_plan.plan(_cfg(tiny_llama, **flags), runtime_bytes=0)
+    runs = bool(flags)
+    assert ("baseline copy" in p.parts["lora"]) == runs
+    if runs:
+        assert p.parts["lora"]["baseline copy"] == p.parts["lora"]["weights"]

@@ -226,7 +226,7 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, weights) -> dict[str, int]:
     per_layer = b * n * (6 * g["h"] + 2 * g["Hkv"] * g["D"] + 4 * g["I"]) * ab + b * g["H"] * n * (g["D"] + max(feat, 1)) * 4
     logits = b * n * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
     parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": g["L"] * per_layer + logits}
-    if cfg.window_only_baseline and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
+    if cfg.evaluates_window_only and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
         parts["baseline copy"] = weights  # the window-only baseline trains its LoRA on a copy of the model
     return parts
 
