@@ -9,7 +9,9 @@
 # (PYTHONPATH; no install needed); fla-core, for the `fla` backend, is installed when missing from
 # $FLA_WHEELS (a folder of wheels) or the package index, if either is reachable — otherwise the
 # fla rows say it is not installed. Every step is time-limited and a failed step is recorded in
-# OUTDIR/summary.md; the script still exits 0 once OUTDIR is written.
+# OUTDIR/summary.md; the script still exits 0 once OUTDIR is written. The limits can be set from the
+# environment: CUDA_TESTS_SECONDS (170), BENCH_SECONDS (250) and BENCH_BUDGET (190, the benchmarks'
+# own budget after which their remaining rows are skipped).
 set -uo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: scripts/device_check.sh OUTDIR [--cpu-smoke]" >&2
@@ -49,9 +51,10 @@ if [ "${1:-}" != "--cpu-smoke" ]; then
     fi
   fi
   $PY -c "import fla" 2>/dev/null && echo "- fla-core: installed" >>"$SUMMARY" || echo "- fla-core: not installed (the fla rows say so)" >>"$SUMMARY"
-  step cuda_tests 170 $PY -m pytest tests -m cuda -q -p no:cacheprovider
+  # a test module whose optional imports (lm_eval, evaluate, ...) are missing here must not stop the CUDA tests
+  step cuda_tests "${CUDA_TESTS_SECONDS:-170}" $PY -m pytest tests -m cuda -q -p no:cacheprovider --continue-on-collection-errors
   tail -n 3 "$OUT/cuda_tests.log" | sed 's/^/    /' >>"$SUMMARY"
 fi
-step benchmarks 250 $PY benchmarks/device_check.py --out "$OUT" --budget 190 "$@"
+step benchmarks "${BENCH_SECONDS:-250}" $PY benchmarks/device_check.py --out "$OUT" --budget "${BENCH_BUDGET:-190}" "$@"
 echo "device check: tables in $OUT"
 exit 0
