@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         given = argv if argv is not None else sys.argv[1:]
         write_run_file(a.output, run_file, "make main" if not given else "python conversion/main_job.py " + shlex.join(given))
         logging.getLogger("main_job").info("run file: %s", run_file)
-    print(f"main job: {(time.time() - start) / 60:.1f} min wall (2 shared CPU cores)")
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    print(f"main job: {(time.time() - start) / 60:.1f} min wall ({where})")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,39 @@ def test_auto_rule_on_cpu_and_cuda(monkeypatch):
     assert resolve("flex", grad=False, causal=True, device=CPU, dtype=F32) == "inference"
 
 
+def test_auto_leaves_gated_training_to_flex_where_fla_refuses_its_backward(monkeypatch):
+    """fla-core raises in the backward of a gated scan on Hopper with Triton >= 3.4, < 3.7.1 (seen on
+    an H200, Triton 3.6.0): a decaying or gated map's training call goes to flex there; inference,
+    and maps without decay or gate, keep fla."""
+    monkeypatch.setattr(fla, "importable", lambda: True)
+    decaying = _fm("favor+", 20.0)
+    monkeypatch.setattr(fla, "gated_backward_refused", lambda device: True)
+    assert _settle("auto", CUDA, grad=True, feature_map=decaying) == "flex"
+    assert _settle("auto", CUDA, grad=True, feature_map=_fm("rfa")) == "flex"
+    assert _settle("auto", CUDA, grad=False, feature_map=decaying) == "fla"
+    assert _settle("auto", CUDA, grad=True) == "fla"  # no decay, no gate: the ungated kernel
+    call = dict(grad=True, causal=True, window=16, sinks=2, memory=0, nq=64, nk=64, feature_map=decaying, device=CUDA)
+    assert "fla-core refuses its gated backward on Hopper" in gpu.unsupported("fla", **call)
+    assert gpu.unsupported("flex", **call) is None
+    monkeypatch.setattr(fla, "gated_backward_refused", lambda device: False)
+    assert _settle("auto", CUDA, grad=True, feature_map=decaying) == "fla"
+
+
+@pytest.mark.parametrize("capability,triton,tilelang,refused", [
+    ((9, 0), "3.6.0", False, True), ((9, 0), "3.4.0", False, True), ((9, 0), "3.7.1", False, False), ((9, 0), "3.3.1", False, False),
+    ((8, 0), "3.6.0", False, False), ((10, 0), "3.6.0", False, False), ((9, 0), "3.6.0", True, False)])
+def test_fla_gated_backward_rule(monkeypatch, capability, triton, tilelang, refused):
+    import importlib.metadata
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: triton if name == "triton" else "0")
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if tilelang else None) if name == "tilelang" else find(name, *a))
+    assert fla.gated_backward_refused(CUDA) is refused
+    assert fla.gated_backward_refused(CPU) is False
+
+
 def test_named_gpu_backends_refuse_calls_they_cannot_answer():
     q, k, v, mask = _qkv(40)
     fm = _fm("favor+")

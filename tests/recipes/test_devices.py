@@ -102,6 +102,20 @@ def test_cpu_defaults_load_float32_sdpa(tiny):
     assert eager.config._attn_implementation == "eager"
 
 
+def test_loads_ask_for_no_hub_kernels(tiny, monkeypatch):
+    """transformers swaps modules for Hub kernels on a GPU by default where `kernels` is installed
+    (offline that fails before the model loads, seen on an H200): every load of the conversion
+    asks for none, and the model keeps its stock modules."""
+    import transformers
+
+    seen = []
+    original = transformers.PreTrainedModel.from_pretrained.__func__
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(lambda cls, *a, **kw: seen.append(kw) or original(cls, *a, **kw)))
+    model, _, _ = load_model(tiny["llama"])
+    assert seen and all(kw.get("use_kernels") is False for kw in seen)
+    assert not model.use_kernels
+
+
 def test_bfloat16_weights_float32_trainables(tiny):
     model, _, _ = load_model(tiny["llama"], torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -47,6 +47,22 @@ def importable() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def gated_backward_refused(device: torch.device) -> bool:
+    """Whether fla-core refuses the backward of a gated (decaying) scan on ``device``: it raises
+    there on Hopper GPUs (compute capability 9.x) with Triton >= 3.4.0 and < 3.7.1, whose gated
+    ``chunk_bwd_dqkwg`` gives wrong results, unless tilelang is installed (fla-core then runs its
+    tilelang kernel instead). Seen on an H200 with Triton 3.6.0 and fla-core 0.6.0."""
+    if device.type != "cuda" or importlib.util.find_spec("tilelang") is not None:
+        return False
+    try:
+        from importlib.metadata import version
+
+        parts = tuple(int(x) for x in version("triton").split("+")[0].split(".")[:3])
+    except Exception:  # noqa: BLE001 - no triton (or an unparsable version): fla cannot run anyway
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9 and (3, 4, 0) <= parts < (3, 7, 1)
+
+
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """A CUDA tensor, float32 compute, fla-core installed (FlexAttention answers a band)."""
     from . import flex
@@ -154,4 +170,4 @@ def reference_kernel(q, k, v, g=None, scale=1.0, **_):
     return (w @ vh).transpose(1, 2), None
 
 
-__all__ = ["SPREAD", "available", "importable", "reference_kernel", "references", "scan_partial", "scan_terms"]
+__all__ = ["SPREAD", "available", "gated_backward_refused", "importable", "reference_kernel", "references", "scan_partial", "scan_terms"]

@@ -100,8 +100,11 @@ def load_kwargs(dtype: torch.dtype, device: torch.device, device_map: str | None
     """``from_pretrained`` keywords: the weight dtype and, with a device map, where the layers go.
 
     Without a device map the model is loaded on the CPU and moved with :func:`place` (today's CPU
-    path: no ``device_map`` keyword at all)."""
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    path: no ``device_map`` keyword at all). ``use_kernels=False``: transformers (5.25) otherwise
+    swaps modules for Hub kernels on a GPU wherever the ``kernels`` package is installed; the
+    conversion reads and replaces the stock modules (and must not need the Hub: offline, the swap
+    fails before the model loads)."""
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_kernels": False}
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif device.type != "cpu":
