@@ -4,6 +4,8 @@ Writes Markdown tables into OUT (each headed by the device's name), one section 
 section or row that fails writes ``failed: <reason>`` and the run goes on (exit 0 unless OUT
 cannot be written):
 
+(``--sections`` picks among ``layer``, ``prefill``, ``decode`` and ``twins``, run in that order.)
+
 - ``twins.md``: forward and backward of every backend (``torch``, ``flex``, ``fla``, ``auto``) on
   the device in fp32 and bf16 against the CPU ``torch`` backend in fp32 (relative errors);
 - ``layer.md``: one SmolLM2-135M attention layer (9 query heads, 3 kv heads, head dim 64) of the
@@ -46,8 +48,10 @@ class Plan:
     """Sizes of one run: full on a GPU, tiny with ``--cpu-smoke``."""
 
     device: torch.device
-    layer_n: tuple[int, ...] = (2048, 8192, 16384, 32768)
-    model_n: tuple[int, ...] = (2048, 8192, 32768)
+    #: the goals' lengths first (a layer at 16k, the model at 32k), so that a short budget still
+    #: measures them (fla-core autotunes its kernels on first use of each shape: minutes in all)
+    layer_n: tuple[int, ...] = (16384, 2048, 8192, 32768)
+    model_n: tuple[int, ...] = (32768, 2048, 8192)
     batches: tuple[int, ...] = (1, 32)
     prompt: int = 512
     new_tokens: int = 64
@@ -325,8 +329,12 @@ def decode_rows(plan: Plan, models, deadline: float) -> list[list]:
 
 
 # ---- main --------------------------------------------------------------------------------------
-def run(plan: Plan, out: Path, budget: float) -> list[Path]:
-    """Every section, each table written as soon as it is measured; returns the files."""
+SECTIONS = ("layer", "prefill", "decode", "twins")
+
+
+def run(plan: Plan, out: Path, budget: float, sections: tuple[str, ...] = SECTIONS) -> list[Path]:
+    """The chosen sections (speed first, the twins last: the CUDA tests check the backends too),
+    each table written as soon as it is measured; returns the files."""
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget
     written = []
@@ -339,18 +347,26 @@ def run(plan: Plan, out: Path, budget: float) -> list[Path]:
     share = lambda frac: time.monotonic() + frac * max(0.0, deadline - time.monotonic())  # noqa: E731  (a section's deadline)
     dev, cfg = plan.device, recipe(plan)
     what = f"{cfg.feature_map} m={cfg.num_features}, window {cfg.window}, {cfg.sinks} sinks"
-    write("twins.md", table(f"Twin errors vs the CPU fp32 reference ({what}, N={plan.twin_n})", dev, ["backend", "ran as", "dtype", "forward rel. err", "max input-grad rel. err"], twin_rows(plan)))
-    write("layer.md", table(f"One SmolLM2-shaped attention layer ({what}) vs SDPA (flash), ms", dev,
-                            ["N", "SDPA prefill", "RFA prefill", "speed-up", "SDPA fwd+bwd", "RFA fwd+bwd", "speed-up"], layer_rows(plan, share(0.4))))
-    models = attempt(load_models, plan)
-    if isinstance(models, str):
-        write("prefill.md", table("Whole-model prefill", dev, ["N", "result"], [["all", models]]))
-        write("decode.md", table("Decoding", dev, ["batch", "result"], [["all", models]]))
-        return written
-    write("prefill.md", table(f"Whole-model prefill, ms: original (SDPA) vs converted ({what}); {models[2]}", dev,
-                              ["N", "original", "converted", "speed-up"], prefill_rows(plan, models, share(0.5))))
-    write("decode.md", table(f"Decoding {plan.new_tokens} tokens after a {plan.prompt}-token prompt; {models[2]}", dev,
-                             ["batch", "model + cache", "tokens/s", "cache MiB"], decode_rows(plan, models, deadline)))
+    if "layer" in sections:
+        write("layer.md", table(f"One SmolLM2-shaped attention layer ({what}) vs SDPA (flash), ms", dev,
+                                ["N", "SDPA prefill", "RFA prefill", "speed-up", "SDPA fwd+bwd", "RFA fwd+bwd", "speed-up"], layer_rows(plan, share(0.4))))
+    if "prefill" in sections or "decode" in sections:
+        models = attempt(load_models, plan)
+        if isinstance(models, str):
+            for name in ("prefill", "decode"):
+                if name in sections:
+                    write(f"{name}.md", table(name.capitalize(), dev, ["N", "result"], [["all", models]]))
+        else:
+            if "prefill" in sections:
+                write("prefill.md", table(f"Whole-model prefill, ms: original (SDPA) vs converted ({what}); {models[2]}", dev,
+                                          ["N", "original", "converted", "speed-up"], prefill_rows(plan, models, share(0.5))))
+            if "decode" in sections:
+                write("decode.md", table(f"Decoding {plan.new_tokens} tokens after a {plan.prompt}-token prompt; {models[2]}", dev,
+                                         ["batch", "model + cache", "tokens/s", "cache MiB"], decode_rows(plan, models, share(0.6))))
+            del models
+    if "twins" in sections:
+        write("twins.md", table(f"Twin errors vs the CPU fp32 reference ({what}, N={plan.twin_n})", dev,
+                                ["backend", "ran as", "dtype", "forward rel. err", "max input-grad rel. err"], twin_rows(plan)))
     return written
 
 
@@ -359,11 +375,16 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="folder for the Markdown tables")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (runs the script where no GPU is)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds after which the remaining rows are skipped")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)} (default: all, in this order)")
     a = p.parse_args(argv)
+    sections = tuple(x.strip() for x in a.sections.split(",") if x.strip())
+    bad = [x for x in sections if x not in SECTIONS]
+    if bad or not sections:
+        p.error(f"--sections: unknown section {bad[0] if bad else a.sections!r}; allowed: {', '.join(SECTIONS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not a.cpu_smoke and not torch.cuda.is_available():
         p.error("no CUDA device here: use --cpu-smoke for the tiny CPU run")
-    files = run(plan_for(a.cpu_smoke), Path(a.out), a.budget)
+    files = run(plan_for(a.cpu_smoke), Path(a.out), a.budget, sections)
     print(f"device check: {len(files)} tables in {a.out}")
 
 

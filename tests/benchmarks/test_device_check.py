@@ -29,3 +29,13 @@ def test_cpu_smoke_writes_every_table(tmp_path):
     assert "failed" not in row and "skipped" not in row, row
     decode = [line for line in tables["decode.md"].splitlines() if "Cache |" in line]
     assert len(decode) == 4 and not any("failed" in line for line in decode), decode
+
+
+def test_sections_pick_tables_and_bad_names_are_one_line_errors(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "benchmarks" / "device_check.py")
+    run = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--cpu-smoke", "--sections", "layer"], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer.md"]
+    bad = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--cpu-smoke", "--sections", "layer,speed"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "unknown section 'speed'; allowed: layer, prefill, decode, twins" in bad.stderr
