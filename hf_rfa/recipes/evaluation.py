@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -265,18 +266,31 @@ def embedding_cosine(reference: torch.Tensor, other: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], batch_size: int = 32, max_length: int = 128, progress: bool = True) -> dict:
-    """Accuracy of a sequence classifier: ``{"accuracy", "examples"}``."""
+def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], batch_size: int = 32, max_length: int = 128, progress: bool = True,
+             metrics: Sequence[str] = ("accuracy",)) -> dict:
+    """Accuracy of a sequence classifier: ``{"accuracy", "examples"}``, and each further metric in
+    ``metrics`` (``evaluate`` when it loads, else hf_rfa's offline ``f1`` / ``precision`` / ``recall``:
+    :func:`hf_rfa.integrations.metrics.classification_metrics`) on the same predictions."""
+    from types import SimpleNamespace
+
     from tqdm.auto import tqdm
 
     model.eval()
-    correct = 0
-    for i, (ids, mask) in enumerate(tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="accuracy", disable=not progress, leave=False)):
+    preds = []
+    for ids, mask in tqdm(list(sentence_batches(tokenizer, texts, batch_size, max_length)), desc="accuracy", disable=not progress, leave=False):
         dev = next(model.parameters()).device
-        pred = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.argmax(-1).cpu()
-        gold = torch.tensor(labels[i * batch_size : i * batch_size + len(pred)])
-        correct += int((pred == gold).sum())
-    return {"accuracy": correct / len(texts), "examples": len(texts)}
+        preds.append(model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.argmax(-1).cpu())
+    pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+    gold = torch.tensor(labels[: len(pred)])
+    out = {"accuracy": int((pred == gold).sum()) / len(texts), "examples": len(texts)}
+    extra = [m for m in metrics if m != "accuracy"]
+    if extra and len(pred):
+        from ..integrations.metrics import classification_metrics
+
+        num_labels = getattr(getattr(model, "config", None), "num_labels", None)
+        scores = classification_metrics(extra, num_labels=num_labels)(SimpleNamespace(predictions=pred.numpy(), label_ids=gold.numpy()))
+        out.update({k: v for k, v in scores.items() if k != "accuracy"})
+    return out
 
 
 __all__ = [

@@ -466,3 +466,41 @@ def test_installed_commands_exit_0_on_success(tiny_dir, tmp_path):
     assert conv.returncode == 0, conv.stderr[-2000:]
     assert (tmp_path / "out" / "config.json").is_file()
     assert "{'rows'" not in conv.stderr and "'output':" not in conv.stderr
+
+
+@pytest.mark.slow
+def test_classifier_conversion_reports_each_metric(tiny_dir, tmp_path):
+    """``--metric``: a sequence classifier's conversion reports every named metric for every variant
+    (the offline implementations here: ``evaluate`` cannot reach the Hub), equal to the metric
+    computed on the same predictions, and the model card carries them next to the original's."""
+    import numpy as np
+
+    from hf_rfa.integrations import metrics as hf_metrics
+    from hf_rfa.recipes.conversion.loading import load_model
+
+    d = tmp_path / "cls"
+    tiny_model("bert", head="cls").save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    rows = [" ".join(random.Random(i).choice(WORDS) for _ in range(10)) for i in range(40)]
+    csv = tmp_path / "labelled.csv"
+    csv.write_text("text,label\n" + "\n".join(f"{t},{i % 2}" for i, t in enumerate(rows)) + "\n")
+    out = tmp_path / "out"
+    _script("convert").main(["--model", str(d), "--output", str(out), "--preset", "encoder", "--encoder-max-length", "16", "--encoder-pack-tokens", "0",
+          "--feature-map", "hedgehog", "--num-features", "8", "--window", "2", "--sinks", "1", "--transfer-tokens", "64", "--error-tokens", "32",
+          "--calibration-text", str(csv), "--eval-text", str(csv), "--metric", "accuracy", "f1", "--no-progress"])
+    rep = json.loads((out / "report.json").read_text())
+    for r in rep["rows"]:
+        assert {"accuracy", "f1"} <= set(r), r
+    orig = rep["rows"][0]
+    model, tok, _ = load_model(str(d))
+    from hf_rfa.recipes import evaluation
+
+    preds = []
+    for ids, mask in evaluation.sentence_batches(tok, rows, 32, 16):
+        preds.append(model(input_ids=ids, attention_mask=mask).logits.argmax(-1))
+    pred = np.concatenate([p.detach().numpy() for p in preds])
+    gold = np.array([i % 2 for i in range(40)])
+    assert orig["f1"] == pytest.approx(hf_metrics.f1(pred, gold)["f1"], abs=1e-12)
+    assert orig["accuracy"] == pytest.approx(float((pred == gold).mean()), abs=1e-12)
+    card = (out / "README.md").read_text()
+    assert "f1" in card and "accuracy" in card

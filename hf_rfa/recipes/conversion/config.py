@@ -41,6 +41,7 @@ class ConversionConfig:
     eval_tokens: int | None = field(default=16384, metadata={"help": "predicted tokens per evaluation (0 or None: all)"})
     error_tokens: int = field(default=2048, metadata={"help": "calibration tokens of the per-layer error table"})
     eval_sentences: int = field(default=1000, metadata={"help": "encoders: held-out sentences for embedding cosine / accuracy"})
+    metric: list[str] = field(default_factory=lambda: ["accuracy"], metadata={"help": "classifiers: metrics of every variant on the held-out labels, each evaluate.load(NAME) when it loads, else hf_rfa's offline accuracy / f1 / precision / recall (e.g. --metric accuracy f1)"})
     encoder_max_length: int = field(default=128, metadata={"help": "encoders: texts (attention transfer, per-layer errors and evaluation) are truncated to this many tokens (at most the model's max_position_embeddings); the longer they are than the window, the more the features must carry"})
     encoder_pack_tokens: int = field(default=0, metadata={"help": "encoders without labels: join consecutive texts (lines) into passages of at least this many tokens before truncating to encoder_max_length, for calibration, training and evaluation alike (0: each text as it is)"})
     window_only_baseline: bool = field(default=False, metadata={"help": "hybrids: also evaluate feature_map='none' (same window and sinks, every other key dropped) untrained and, for causal LMs, after its own LoRA with the same budget (encoders have no LoRA stage: the untrained row is the same budget)"})

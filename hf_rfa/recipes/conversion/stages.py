@@ -23,7 +23,7 @@ from . import calibration, devices, layerwise, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
-from .state import State, evaluate
+from .state import State, classifier_scores, evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def embed_original(s: State) -> None:
     t["reference"] = evaluation.sentence_embeddings(s.model, s.tok, t["eval"], max_length=n, progress=s.cfg.progress)
     row = {"variant": ORIGINAL, "cosine_mean": 1.0, "cosine_min": 1.0, "sentences": len(t["eval"])}
     if s.kind == CLASSIFIER and t["labels"] is not None:
-        row["accuracy"] = evaluation.accuracy(s.model, s.tok, t["eval"], t["labels"], max_length=n, progress=s.cfg.progress)["accuracy"]
+        row.update(classifier_scores(evaluation.accuracy(s.model, s.tok, t["eval"], t["labels"], max_length=n, progress=s.cfg.progress, metrics=s.cfg.metric)))
     s.rows.append(row)
 
 
@@ -308,11 +308,13 @@ def encoder_metrics(s: State) -> None:
     if base is not None:  # the window-only row with the same training budget, next to the features
         entry["window_only_mean"] = base["cosine_mean"]
     s.metrics[f"embedding cosine to original ({last['sentences']} held-out texts, {s.cfg.encoder_max_length} tokens at most)"] = entry
-    if "accuracy" in last:
-        acc = {"converted": last["accuracy"], "original": s.rows[0]["accuracy"]}
-        if base is not None and "accuracy" in base:
-            acc["window_only"] = base["accuracy"]
-        s.metrics["accuracy"] = acc
+    for name in [k for k in last if k not in ("variant", "cosine_mean", "cosine_min", "sentences")]:  # accuracy and the --metric ones
+        if not isinstance(last[name], float) or name not in s.rows[0]:
+            continue
+        entry = {"converted": last[name], "original": s.rows[0][name]}
+        if base is not None and name in base:
+            entry["window_only"] = base[name]
+        s.metrics[name] = entry
 
 
 def generation_sample(s: State) -> None:

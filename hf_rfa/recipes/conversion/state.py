@@ -90,6 +90,12 @@ def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> No
         logger.info("%s @%d: perplexity %.2f (%d tokens)", name, ctx, r["perplexity"], r["tokens"])
 
 
+def classifier_scores(result: dict) -> dict:
+    """A row's classifier figures from :func:`~hf_rfa.recipes.evaluation.accuracy`'s result: every
+    metric (``accuracy`` and the ``--metric`` ones), without the example count."""
+    return {k: v for k, v in result.items() if k != "examples"}
+
+
 def _evaluate_encoder(s: State, name: str, model: nn.Module, passkey: bool) -> None:
     """Embedding cosine to the original's, and accuracy for classifiers with labels."""
     cfg, t = s.cfg, s.texts
@@ -97,7 +103,7 @@ def _evaluate_encoder(s: State, name: str, model: nn.Module, passkey: bool) -> N
     n = cfg.encoder_max_length
     row.update(evaluation.embedding_cosine(t["reference"], evaluation.sentence_embeddings(model, s.tok, t["eval"], max_length=n, progress=cfg.progress)))
     if s.kind == CLASSIFIER and t["labels"] is not None:
-        row["accuracy"] = evaluation.accuracy(model, s.tok, t["eval"], t["labels"], max_length=n, progress=cfg.progress)["accuracy"]
+        row.update(classifier_scores(evaluation.accuracy(model, s.tok, t["eval"], t["labels"], max_length=n, progress=cfg.progress, metrics=cfg.metric)))
     s.rows.append(row)
     logger.info("%s: %s", name, row)
 
@@ -125,7 +131,7 @@ def _long_range(s: State, model: nn.Module, name: str, passkey: bool) -> None:
 
 def rows_markdown(rows: list[dict]) -> str:
     """The printed / ``RESULTS.md`` table of every row."""
-    keys = [k for k in ("variant", "context", "perplexity", "cosine_mean", "cosine_min", "accuracy", "eval_tokens", "sentences", "train_tokens", "train_minutes") if any(k in r for r in rows)]
+    keys = [k for k in ("variant", "context", "perplexity", "cosine_mean", "cosine_min", "accuracy", "f1", "precision", "recall", "eval_tokens", "sentences", "train_tokens", "train_minutes") if any(k in r for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
         cells = []
@@ -136,4 +142,4 @@ def rows_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EVALUATORS", "State", "evaluate", "rows_markdown"]
+__all__ = ["EVALUATORS", "State", "classifier_scores", "evaluate", "rows_markdown"]
