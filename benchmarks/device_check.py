@@ -4,7 +4,11 @@ Writes Markdown tables into OUT (each headed by the device's name), one section 
 section or row that fails writes ``failed: <reason>`` and the run goes on (exit 0 unless OUT
 cannot be written):
 
-(``--sections`` picks among ``layer``, ``prefill``, ``decode`` and ``twins``, run in that order.)
+(``--sections`` picks among ``layer``, ``prefill``, ``decode``, ``profile`` and ``twins``, run in
+that order.)
+
+- ``profile.md``: where one layer's forward + backward spends its time at the first layer length
+  (the top kernels by device time, their call counts, and the count of every kernel launched);
 
 - ``twins.md``: forward and backward of every backend (``torch``, ``flex``, ``fla``, ``auto``) on
   the device in fp32 and bf16 against the CPU ``torch`` backend in fp32 (relative errors);
@@ -235,6 +239,37 @@ def layer_rows(plan: Plan, deadline: float) -> list[list]:
     return rows
 
 
+def profile_rows(plan: Plan, n: int, top: int = 15) -> list[list]:
+    """Where one layer's forward + backward (the recipe, ``auto`` backend) spends its time at ``n``
+    tokens: the ``top`` device kernels (CPU ops with ``--cpu-smoke``) by total time, with their
+    call counts, after one warm-up; the last row sums every kernel."""
+    import hf_rfa
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg, s, dev = recipe(plan), plan.shape, plan.device
+    h, hkv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fm = hf_rfa.build_feature_map(cfg.feature_map, head_dim=d, num_features=cfg.num_features, seed=0).to(dev)
+    q, k, v = (torch.randn(1, x, n, d, device=dev, dtype=dt, requires_grad=True) for x in (h, hkv, hkv))
+
+    def step():
+        hf_rfa.random_feature_attention(q, k, v, fm, window=cfg.window, sinks=cfg.sinks).sum().backward()
+
+    step()
+    sync(dev)
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        sync(dev)
+    key = "device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events)
+    rows = [[e.key[:70], e.count, getattr(e, key) / 1e3, getattr(e, key) / max(total, 1e-9)] for e in events[:top]]
+    rows.append([f"all {len(events)} kernels", sum(e.count for e in events), total / 1e3, 1.0])
+    return rows
+
+
 # ---- the whole model ---------------------------------------------------------------------------
 def load_models(plan: Plan):
     """``(original, converted, source)`` on the device, bf16 on CUDA."""
@@ -329,7 +364,7 @@ def decode_rows(plan: Plan, models, deadline: float) -> list[list]:
 
 
 # ---- main --------------------------------------------------------------------------------------
-SECTIONS = ("layer", "prefill", "decode", "twins")
+SECTIONS = ("layer", "prefill", "decode", "profile", "twins")
 
 
 def run(plan: Plan, out: Path, budget: float, sections: tuple[str, ...] = SECTIONS) -> list[Path]:
@@ -364,6 +399,11 @@ def run(plan: Plan, out: Path, budget: float, sections: tuple[str, ...] = SECTIO
                 write("decode.md", table(f"Decoding {plan.new_tokens} tokens after a {plan.prompt}-token prompt; {models[2]}", dev,
                                          ["batch", "model + cache", "tokens/s", "cache MiB"], decode_rows(plan, models, share(0.6))))
             del models
+    if "profile" in sections:
+        n = plan.layer_n[0]
+        res = attempt(profile_rows, plan, n)
+        write("profile.md", table(f"One layer's forward + backward at N={n} ({what}, bf16 on CUDA): kernels by time", dev,
+                                  ["kernel", "calls", "ms", "share"], [[res, "", "", ""]] if isinstance(res, str) else res))
     if "twins" in sections:
         write("twins.md", table(f"Twin errors vs the CPU fp32 reference ({what}, N={plan.twin_n})", dev,
                                 ["backend", "ran as", "dtype", "forward rel. err", "max input-grad rel. err"], twin_rows(plan)))

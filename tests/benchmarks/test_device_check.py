@@ -16,7 +16,7 @@ def test_cpu_smoke_writes_every_table(tmp_path):
     assert run.returncode == 0, run.stderr
     summary = (tmp_path / "summary.md").read_text()
     assert "- benchmarks: ok" in summary, summary + (tmp_path / "benchmarks.log").read_text()
-    tables = {name: (tmp_path / name).read_text() for name in ("twins.md", "layer.md", "prefill.md", "decode.md")}
+    tables = {name: (tmp_path / name).read_text() for name in ("twins.md", "layer.md", "prefill.md", "decode.md", "profile.md")}
     for name, text in tables.items():
         assert "Device: CPU" in text and "|---|" in text, name
     twins = tables["twins.md"]
@@ -27,6 +27,8 @@ def test_cpu_smoke_writes_every_table(tmp_path):
         assert "failed" not in row and "skipped" not in row, row
     row = next(line for line in tables["prefill.md"].splitlines() if line.startswith("| 128 |"))
     assert "failed" not in row and "skipped" not in row, row
+    prof = tables["profile.md"].splitlines()
+    assert any(line.startswith("| all ") for line in prof) and not any("failed" in line for line in prof), prof
     decode = [line for line in tables["decode.md"].splitlines() if "Cache |" in line]
     assert len(decode) == 4 and not any("failed" in line for line in decode), decode
 
@@ -38,4 +40,4 @@ def test_sections_pick_tables_and_bad_names_are_one_line_errors(tmp_path):
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layer.md"]
     bad = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--cpu-smoke", "--sections", "layer,speed"], capture_output=True, text=True, timeout=60, env=env)
-    assert bad.returncode == 2 and "unknown section 'speed'; allowed: layer, prefill, decode, twins" in bad.stderr
+    assert bad.returncode == 2 and "unknown section 'speed'; allowed: layer, prefill, decode, profile, twins" in bad.stderr
