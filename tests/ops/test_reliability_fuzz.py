@@ -4,7 +4,8 @@ layouts, float masks (0/1 accepted, additive refused), huge finite values, rotar
 
 For >= 3,000 cases: 0 exceptions other than the ValueError of an additive mask; 0 non-finite
 outputs from finite inputs; 0 changes of earlier rows (causal) when later keys turn non-finite,
-in the same (non-contiguous) layout; a float 0/1 mask gives the bool mask's output bit for bit;
+in the same (non-contiguous) layout; the same output bit for bit from fresh contiguous copies of
+q, k, v; a float 0/1 mask gives the bool mask's output bit for bit;
 and the op equals its quadratic twin (float64, ``tolerances.ORACLE_FP32``) — 0 wrong answers.
 """
 
@@ -77,11 +78,13 @@ def _case(rng: random.Random, maps: dict, case: int) -> dict[str, int]:
         rope = tuple(t.half() for t in rope)
     kw = dict(causal=causal, window=window, sinks=sinks, feature_rope=rope)
     native.set_native(rng.random() < 0.5)
-    fails = dict.fromkeys(("raised", "nonfinite", "earlier_rows", "float_mask", "additive_accepted", "wrong"), 0)
+    fails = dict.fromkeys(("raised", "nonfinite", "layout", "earlier_rows", "float_mask", "additive_accepted", "wrong"), 0)
     try:
         with torch.no_grad():
             out = A(q, k, v, fm, attention_mask=mask, **kw)
             fails["nonfinite"] = int(not bool(torch.isfinite(out).all()))
+            fresh = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))  # the canonical strides
+            fails["layout"] = int(not torch.equal(A(*fresh, fm, attention_mask=mask, **kw), out))
             if mask is not None:
                 fails["float_mask"] = int(not torch.equal(A(q, k, v, fm, attention_mask=mask.to(dtype), **kw), out))
                 if rng.random() < 0.3:
