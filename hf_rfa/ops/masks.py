@@ -144,6 +144,16 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))) for t in tensors)
 
 
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous *with the canonical strides of its shape* (a view when it already is
+    contiguous). ``Tensor.contiguous`` keeps any stride of a size-1 dimension (a transposed
+    ``[B, N, 1, D]`` view is "contiguous" with another stride than a fresh ``[B, 1, N, D]`` tensor),
+    and the matmul kernels pick their blocking, hence their summation order, from the strides:
+    two tensors with the same values but such strides give results that differ in the last bits."""
+    x = x.contiguous()
+    return x.view(-1).view(x.shape) if x.dim() > 1 else x
+
+
 def _zero_nonfinite(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,12 +186,13 @@ def guard_inputs(
     q ``[B, H, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` → the same shapes.
     """
     compiling = torch.compiler.is_compiling()
-    # both branches hand on contiguous tensors: the same strides give the same summation order,
-    # so rows that see no non-finite input are bit-identical whether or not another row does
+    # both branches hand on dense tensors with the canonical strides of their shape (:func:`dense`):
+    # the same strides give the same summation order, so rows that see no non-finite input are
+    # bit-identical whether or not another row does
     if not compiling and _all_finite(q, k, v):  # the common case: the ops mask padded keys exactly
-        return q.contiguous(), k.contiguous(), v.contiguous(), None
+        return dense(q), dense(k), dense(v), None
     q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
-    return q.contiguous(), k.contiguous(), v.contiguous(), _key_poison(kbad, causal, q.shape[2], q.shape[1] // k.shape[1]) | qbad
+    return dense(q), dense(k), dense(v), _key_poison(kbad, causal, q.shape[2], q.shape[1] // k.shape[1]) | qbad
 
 
 def _key_poison(kbad: torch.Tensor, causal: bool, nq: int, g: int) -> torch.Tensor:
@@ -203,9 +214,9 @@ def guard_feature_inputs(
     ``feature_k [B, Hkv, Nk, D]``): non-finite rows are zeroed and the rows softmax would make NaN
     (a bad query itself; those that see a bad real key) are added to ``poison`` (None: none yet)."""
     if not torch.compiler.is_compiling() and _all_finite(feature_q, feature_k):
-        return feature_q.contiguous(), feature_k.contiguous(), poison
+        return dense(feature_q), dense(feature_k), poison
     qbad, kbad = ~torch.isfinite(feature_q).all(-1), ~torch.isfinite(feature_k).all(-1)
-    feature_q, feature_k = feature_q.masked_fill(qbad[..., None], 0).contiguous(), feature_k.masked_fill(kbad[..., None], 0).contiguous()
+    feature_q, feature_k = dense(feature_q.masked_fill(qbad[..., None], 0)), dense(feature_k.masked_fill(kbad[..., None], 0))
     if key_mask is not None:  # a padded key is zeroed but poisons nothing
         kbad = kbad & key_mask[:, None, :]
     rows = qbad | _key_poison(kbad, causal, feature_q.shape[2], feature_q.shape[1] // feature_k.shape[1])
@@ -233,12 +244,14 @@ def guard_continuation(
     # entry makes the total non-finite; a total that overflows from finite values only costs the
     # exact path below
     total = q.sum(dtype=ct) + k.sum(dtype=ct) + v.sum(dtype=ct)
+    # both branches hand on dense tensors with canonical strides (:func:`dense`): the same
+    # summation order whether or not another row holds a non-finite input
     if bool(torch.isfinite(total)) and not bool(past_bad.any()):
-        return q, k, v, None, past_bad
+        return dense(q), dense(k), dense(v), None, past_bad
     before = past_bad[:, :, None].expand(b, hkv, n)
     q, k, v, qbad, kbad = _zero_nonfinite(q, k, v, key_mask)
     seen = before | (torch.cumsum(kbad.to(torch.int32), dim=-1) > 0)
-    return q, k, v, seen.repeat_interleave(h // hkv, dim=1) | qbad, past_bad | kbad.any(-1)
+    return dense(q), dense(k), dense(v), seen.repeat_interleave(h // hkv, dim=1) | qbad, past_bad | kbad.any(-1)
 
 
 def to_output_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

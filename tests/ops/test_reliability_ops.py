@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_rfa
+from hf_rfa.ops.masks import dense
 from tiny_models import tiny_model
 
 
@@ -121,3 +122,93 @@ def test_fp16_rfa_gradients_saturate_instead_of_overflowing():
             assert torch.isfinite(h.grad).all()
             saturated += int((h.grad.float().abs() == 65504).sum())
     assert saturated > 0  # the case really occurs
+
+
+# ---- layouts with a size-1 dimension (one kv head, one sequence, one new token) ----------------------
+_POSITIVE_AND_TRIG = ["favor+", "positive", "favor++", "rff", "rfa"]
+
+
+def _one_head_layouts(name: str, seed: int, m: int):
+    """q, k, v of one kv head in transformers' layout (``[B, N, heads, D]`` transposed: a size-1
+    head dimension whose stride is not a fresh tensor's) and a copy of each with fresh strides."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 9, heads, 8, generator=g) for heads in (2, 1, 1))
+    views = tuple(t.transpose(1, 2) for t in (q, k, v))
+    fresh = tuple(t.clone(memory_format=torch.contiguous_format) for t in views)
+    assert views[1].is_contiguous() and views[1].stride() != fresh[1].stride()  # the case under test
+    return hf_rfa.build_feature_map(name, head_dim=8, num_features=m, seed=seed), views, fresh
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+@pytest.mark.parametrize("name", _POSITIVE_AND_TRIG)
+def test_the_result_does_not_depend_on_the_stride_of_a_size_one_dimension(name, native):
+    """The same values in two layouts give the same bits (the matmul kernels choose their blocking
+    from the strides, so a stride of a size-1 dimension used to change the last bits)."""
+    before = hf_rfa.ops.backends.native.native_enabled()
+    hf_rfa.ops.set_native(native)
+    try:
+        for seed in range(4):
+            for m in (1, 4):
+                fm, views, fresh = _one_head_layouts(name, seed, m)
+                for kw in (dict(causal=True), dict(causal=True, window=3), dict(causal=False)):
+                    with torch.no_grad():
+                        assert torch.equal(hf_rfa.random_feature_attention(*views, fm, **kw), hf_rfa.random_feature_attention(*fresh, fm, **kw)), (seed, m, kw)
+    finally:
+        hf_rfa.ops.set_native(before)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+@pytest.mark.parametrize("name", _POSITIVE_AND_TRIG)
+def test_earlier_rows_bit_identical_when_later_keys_turn_non_finite_in_transformers_layout(name, native):
+    """A non-finite later key used to send the call through a fresh copy (other strides, other
+    summation order) while the finite call kept the transposed view: earlier rows then differed
+    in their last bits."""
+    before = hf_rfa.ops.backends.native.native_enabled()
+    hf_rfa.ops.set_native(native)
+    try:
+        for seed in range(4):
+            for m in (1, 4):
+                fm, (q, k, v), _ = _one_head_layouts(name, seed, m)
+                kb = k.transpose(1, 2).clone()  # [B, N, 1, D], in the same layout as k
+                kb[:, 6:] = float("nan")
+                with torch.no_grad():
+                    out = hf_rfa.random_feature_attention(q, k, v, fm, causal=True)
+                    bad = hf_rfa.random_feature_attention(q, kb.transpose(1, 2), v, fm, causal=True)
+                assert torch.equal(out[..., :6, :], bad[..., :6, :]), (seed, m)
+                assert torch.isnan(bad[..., 6:, :]).all()
+    finally:
+        hf_rfa.ops.set_native(before)
+
+
+def test_dense_gives_the_canonical_strides_without_a_copy_when_contiguous():
+    x = torch.randn(2, 5, 1, 8).transpose(1, 2)  # contiguous, but dimension 1 has stride 8
+    y = dense(x)
+    assert y.stride() == torch.empty(2, 1, 5, 8).stride() and y.data_ptr() == x.data_ptr() and torch.equal(x, y)
+    z = dense(torch.randn(2, 5, 3, 8).transpose(1, 2))  # not contiguous: a copy
+    assert z.stride() == torch.empty(2, 3, 5, 8).stride()
+
+
+@pytest.mark.parametrize("name", _POSITIVE_AND_TRIG)
+def test_decoding_other_batch_rows_bit_identical_when_one_turns_non_finite_in_transformers_layout(name):
+    """continue_attention: a non-finite key of batch row 1 leaves batch row 0 bit-identical, in
+    transformers' layout too (the finite steps used to read the transposed views, the others a
+    fresh copy: another summation order)."""
+    from hf_rfa.ops.decode import DecodeState, continue_attention
+
+    for seed in range(2):
+        for m in (1, 4):
+            for window, sinks in ((0, 0), (2, 1)):
+                fm = hf_rfa.build_feature_map(name, head_dim=8, num_features=m, seed=seed)
+                rows = []
+                for poisoned in (False, True):
+                    state, g, got = DecodeState.empty(2, 1, 8, 8, fm.feature_dim, sinks, torch.float32), torch.Generator().manual_seed(seed), []
+                    for n in (5, 1, 1, 3):
+                        q, k, v = (torch.randn(2, n, heads, 8, generator=g) for heads in (2, 1, 1))
+                        if poisoned and n == 1:
+                            k[1] = float("nan")
+                        with torch.no_grad():
+                            out, state = continue_attention(state, *(t.transpose(1, 2) for t in (q, k, v)), fm, window=window, sinks=sinks)
+                        got.append(out)
+                    rows.append(got)
+                assert all(torch.equal(a[0], b[0]) for a, b in zip(*rows)), (seed, m, window)
+                assert all(torch.isnan(b[1]).all() for b in rows[1][1:])
