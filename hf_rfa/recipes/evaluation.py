@@ -185,11 +185,16 @@ def perplexity(
     max_tokens: int | None = None,
     progress: bool = True,
     desc: str = "perplexity",
+    seed: int = 0,
 ) -> dict:
     """Perplexity of ``model`` on token ids ``[N]`` with non-overlapping windows of ``context``.
 
-    Returns ``{"perplexity", "tokens" (predicted), "windows", "context"}``. ``max_tokens`` caps
-    the number of windows at ``max(1, max_tokens // context)``, spread evenly over the text.
+    Returns ``{"perplexity", "tokens" (predicted), "windows", "context", "ci95", "window_nll",
+    "window_tokens"}``: ``ci95`` is the 95% percentile-bootstrap interval over windows
+    (:func:`hf_rfa.recipes.intervals.perplexity_ci`, seeded by ``seed``; None for one window),
+    ``window_nll`` / ``window_tokens`` each window's NLL sum and predicted tokens, in window order.
+    ``max_tokens`` caps the number of windows at ``max(1, max_tokens // context)``, spread evenly
+    over the text.
     """
     from tqdm.auto import tqdm
 
@@ -204,11 +209,18 @@ def perplexity(
         x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
         logits = model(input_ids=x, **kwargs).logits[0, :-1].float()
         local[i] = (float(torch.nn.functional.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="sum")), x.shape[1] - 1)
+    from .intervals import perplexity_ci
+
     nll, n = 0.0, 0
-    for s, k in distributed.gather_window_sums(local, len(windows)):  # added in window order: the same sum on 1 or N processes
+    sums = distributed.gather_window_sums(local, len(windows))
+    for s, k in sums:  # added in window order: the same sum on 1 or N processes
         nll += s
         n += k
-    return {"perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context}
+    window_nll, window_tokens = [float(s) for s, _ in sums], [int(k) for _, k in sums]
+    return {
+        "perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context,
+        "ci95": perplexity_ci(window_nll, window_tokens, seed=seed), "window_nll": window_nll, "window_tokens": window_tokens,
+    }
 
 
 # --------------------------------------------------------------------------- encoders
