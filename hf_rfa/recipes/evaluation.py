@@ -8,7 +8,8 @@
   tokens then L2 normalisation (as sentence-transformers does for all-MiniLM-L6-v2).
 - :func:`accuracy`: sequence classifiers on labelled texts.
 - Text sources (:func:`load_text`, :func:`load_labelled`): a file path, ``wikipedia:<split>`` /
-  ``rotten_tomatoes:<split>`` (offline assets, :mod:`hf_rfa.assets`), or a Hub dataset
+  ``rotten_tomatoes:<split>`` / ``bbc_news:<split>`` (offline assets, :mod:`hf_rfa.assets`; the
+  BBC articles are news, a second held-out domain for causal LMs converted on Wikipedia), or a Hub dataset
   ``<name>[:<config>]:<split>`` (``wikitext:wikitext-2-raw-v1:test``, ``sst2:validation``).
 """
 
@@ -88,6 +89,10 @@ def load_text(spec: str) -> str:
         return "\n\n".join(assets.wikipedia_split(spec.split(":", 1)[1]))
     if spec.startswith("rotten_tomatoes:"):
         return "\n".join(load_labelled(spec)[0])
+    if spec.startswith("bbc_news:"):
+        from .. import assets
+
+        return "\n\n".join(f"{a['title']}\n{a['text']}" for a in assets.bbc_news(spec.split(":", 1)[1]))
     ds = _hub_dataset(spec)
     col = next((c for c in _TEXT_COLUMNS if c in ds.column_names), None)
     if col is None:
@@ -97,7 +102,8 @@ def load_text(spec: str) -> str:
 
 def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
     """Texts and labels (None if the source has none): CSV file (``text[,label]``),
-    ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
+    ``rotten_tomatoes:<train|test>``, ``bbc_news:<train|test>`` (topic labels) or a Hub dataset
+    ``name[:config]:split``."""
     if os.path.isfile(spec):
         if builder_of(spec) == "text" and not _read_file(spec).strip():  # also names a non-UTF-8 file
             _nonempty(spec, [])
@@ -116,6 +122,11 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
         return [r["text"] for r in rows], [int(r["label"]) for r in rows]
     if spec.startswith("wikipedia:"):
         return [p for p in load_text(spec).split("\n") if p.strip()], None
+    if spec.startswith("bbc_news:"):
+        from .. import assets
+
+        rows = assets.bbc_news(spec.split(":", 1)[1])
+        return [r["text"] for r in rows], [int(r["label"]) for r in rows]
     return _labelled(_hub_dataset(spec), spec)
 
 

@@ -193,10 +193,11 @@ def passkey_task(
     """Accuracy of retrieving a 5-digit pass key (greedy, exact match of every answer token).
 
     Returns ``{"accuracy": {str(length): {str(depth): acc}}, "mean": {str(length): acc},
-    "key_accuracy", "key_mean", "trials", "seed", "depths", "filler"}`` and, for each of the four
-    figures, ``<figure>_ci95`` of the same shape: the 95% percentile-bootstrap interval over the
+    "key_accuracy", "key_mean", "trials", "seed", "depths", "filler"}``, for each of the four
+    figures ``<figure>_ci95`` of the same shape: the 95% percentile-bootstrap interval over the
     trials (``mean``: the trials of each depth resampled separately, the depths averaged; seeded
-    by ``seed``; None for one trial). Keys are drawn from a generator seeded by ``(seed, length,
+    by ``seed``; None for one trial), and ``hits`` / ``key_hits``: ``{length: {depth: [0 or 1 per
+    trial]}}``, from which the intervals are recomputed. Keys are drawn from a generator seeded by ``(seed, length,
     depth)``; with a natural ``filler`` the same generator then draws each trial's span of text.
     ``key_accuracy`` scores the same trials without the answer's leading whitespace token(s) — the
     tokens the answer ``" 71432"`` shares with ``" "`` (SmolLM2's tokenizer writes it as ``" "`` +
@@ -241,6 +242,7 @@ def passkey_task(
         out[mean_name] = {n: sum(v.values()) / len(v) for n, v in out[name].items()}
         out[f"{name}_ci95"] = {n: {d: bootstrap_ci(x, seed=seed) for d, x in v.items()} for n, v in per.items()}
         out[f"{mean_name}_ci95"] = {n: bootstrap_ci(list(v.values()), strata=True, seed=seed) for n, v in per.items()}
+        out["hits" if col == 0 else "key_hits"] = {n: {d: [int(x) for x in v] for d, v in c.items()} for n, c in per.items()}
     filler_name = "repeated" if filler is None else "natural" + (f" ({filler.source})" if filler.source else "")
     return {**out, "trials": trials, "seed": seed, "depths": [float(d) for d in depths], "filler": filler_name}
 
