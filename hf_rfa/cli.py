@@ -1,7 +1,7 @@
 """Command lines installed as entry points (``[project.scripts]``); the repo scripts are thin wrappers.
 
     hf-rfa-convert      conversion/convert.py        convert + transfer + (LoRA) + report + export
-    hf-rfa-evaluate     conversion/evaluate.py       perplexity / copy / passkey of a checkpoint (one JSON line)
+    hf-rfa-evaluate     conversion/evaluate.py       perplexity / copy / passkey of a checkpoint with intervals, or --grid full (one JSON line)
     hf-rfa-finetune     training/finetune.py         transformers.Trainer recipe
     hf-rfa-train        training/train_accelerate.py Accelerate loop with exact resume
 
