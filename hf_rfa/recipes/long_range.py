@@ -9,7 +9,7 @@
   argmax — one forward per trial instead of a generation loop, same answer. The filler is one
   block of sentences repeated (``filler="repeated"``, the classic task: every token but the key's
   is trivially predictable) or ordinary held-out text (``filler=NaturalFiller``, :func:`natural_filler`:
-  a seeded span of whole sentences per trial, the key between two of them).
+  a seeded span of text per trial that ends with a sentence, the key between two sentences).
 
 Every figure carries a 95% percentile-bootstrap interval over draws / trials
 (:mod:`hf_rfa.recipes.intervals`). Both take token ids from :func:`hf_rfa.evaluation.tokenize` and
@@ -80,9 +80,9 @@ def copy_task(
     Returns ``{"first", "second"}`` (perplexity of tokens ``skip..passage-1`` of each copy: exp of
     the mean NLL over all draws), ``"first_ci95"`` / ``"second_ci95"`` (95% percentile-bootstrap
     intervals over the draws, seeded by ``seed``; None for one draw), ``"second_mean_of_draws"``
-    (mean of the per-draw perplexities), ``"per_draw"`` second-copy perplexities, and the settings. The original SmolLM2-135M scores
-    ~1.3 on the second copy at gap 512; a model that cannot see the first copy scores about what
-    it scores on the first.
+    (mean of the per-draw perplexities), ``"per_draw"`` second-copy perplexities, and the settings.
+    The original SmolLM2-135M scores ~1.3 on the second copy at gap 512; a model that cannot see the
+    first copy scores about what it scores on the first.
     """
     from tqdm.auto import tqdm
 
@@ -122,11 +122,13 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 @dataclass(frozen=True)
 class NaturalFiller:
     """Ordinary text as passkey filler: token ids ``[N]`` of whole sentences, each tokenized with a
-    leading space, and ``starts``: the positions where a sentence (or a piece of a long one, at
-    most 64 tokens) begins. Built by :func:`natural_filler`."""
+    leading space; ``starts``: the positions where a sentence (or a piece of a long one, at most 64
+    tokens) begins, where the key may go; ``ends``: the positions just after a sentence's last
+    token, where a prompt's filler may end. Built by :func:`natural_filler`."""
 
     ids: torch.Tensor
     starts: torch.Tensor
+    ends: torch.Tensor
     source: str = ""
 
 
@@ -136,22 +138,24 @@ def natural_filler(tokenizer, text: str, source: str = "") -> NaturalFiller:
     sentences = [t.strip() for t in _SENTENCE_END.split(text) if t and t.strip()]
     if not sentences:
         raise ValueError(f"passkey filler text {source!r} holds no text")
-    ids, starts = [], []
+    ids, starts, ends = [], [], []
     for toks in tokenizer([" " + t for t in sentences], add_special_tokens=False)["input_ids"]:
         for i in range(0, len(toks), _PIECE_TOKENS):
             starts.append(len(ids) + i)
         ids += toks
-    return NaturalFiller(torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long), source)
+        ends.append(len(ids))
+    return NaturalFiller(*(torch.tensor(v, dtype=torch.long) for v in (ids, starts, ends)), source)
 
 
 def passkey_prompt(
-    tokenizer, length: int, depth: float, key: str, filler: NaturalFiller | None = None, start: int = 0,
+    tokenizer, length: int, depth: float, key: str, filler: NaturalFiller | None = None, end: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_ids [L], answer_ids [5-ish])``: about ``length`` tokens with the key sentence at
     fraction ``depth`` of the filler. ``filler``: ordinary text instead of the repeated block — the
-    ``room`` tokens of ``filler.ids`` from ``start`` (a sentence start: :func:`passkey_task` draws
-    it), the key sentence at the sentence start nearest to ``depth`` of them; every prompt of one
-    length then has the same number of tokens."""
+    ``room`` tokens of ``filler.ids`` that end at ``end`` (the end of a sentence, which
+    :func:`passkey_task` draws: the question follows a whole sentence; the first one may be cut),
+    the key sentence at the sentence start nearest to ``depth`` of them; every prompt of one length
+    then has the same number of tokens."""
     def enc(t: str) -> list[int]:
         return tokenizer(t, add_special_tokens=False)["input_ids"]
 
@@ -162,8 +166,9 @@ def passkey_prompt(
     if room < len(block):
         raise ValueError(f"passkey length {length} is too short for the prompt (needs > {length - room + len(block)} tokens)")
     if filler is not None:
-        if start < 0 or start + room > filler.ids.numel():
-            raise ValueError(f"passkey filler text {filler.source!r} has {filler.ids.numel()} tokens: too few for {room} from {start}")
+        start = end - room
+        if start < 0 or end > filler.ids.numel():
+            raise ValueError(f"passkey filler text {filler.source!r} has {filler.ids.numel()} tokens: too few for {room} ending at {end}")
         inner = filler.starts[(filler.starts >= start) & (filler.starts <= start + room)] - start
         target = depth * room
         at = int(inner[(inner.double() - target).abs().argmin()]) if inner.numel() else int(round(target))
@@ -175,10 +180,10 @@ def passkey_prompt(
     return torch.tensor(intro + body + question), torch.tensor(answer)
 
 
-def _filler_starts(filler: NaturalFiller, room: int, trials: int, g: torch.Generator) -> list[int]:
-    """``trials`` seeded sentence starts from which ``room`` tokens of ``filler`` fit (``room``: the
+def _filler_ends(filler: NaturalFiller, room: int, trials: int, g: torch.Generator) -> list[int]:
+    """``trials`` seeded sentence ends that ``room`` tokens of ``filler`` fit before (``room``: the
     prompt length, more than its filler part)."""
-    fit = filler.starts[filler.starts + room <= filler.ids.numel()]
+    fit = filler.ends[filler.ends >= room]
     if fit.numel() == 0:
         raise ValueError(f"passkey filler text {filler.source!r} has {filler.ids.numel()} tokens: too few for a prompt of {room}")
     return [int(fit[int(torch.randint(0, fit.numel(), (1,), generator=g))]) for _ in range(trials)]
@@ -220,10 +225,10 @@ def passkey_task(
     for n, dp in cells:
         g = torch.Generator().manual_seed(seed * 1_000_003 + n * 101 + int(round(dp * 100)))
         keys = [str(int(torch.randint(10000, 100000, (1,), generator=g))) for _ in range(trials)]
-        starts = _filler_starts(filler, n, trials, g) if filler is not None else [0] * trials
+        ends = _filler_ends(filler, n, trials, g) if filler is not None else [0] * trials
         rows = []
         for i in range(0, trials, batch_size):
-            pairs = [passkey_prompt(tokenizer, n, dp, key, filler, st) for key, st in zip(keys[i : i + batch_size], starts[i : i + batch_size])]
+            pairs = [passkey_prompt(tokenizer, n, dp, key, filler, e) for key, e in zip(keys[i : i + batch_size], ends[i : i + batch_size])]
             full = [torch.cat([p, a]) for p, a in pairs]
             leads = [_leading_space_tokens(space, a) for _, a in pairs]
             if len({(len(f), len(a), ld) for f, (_, a), ld in zip(full, pairs, leads)}) == 1:  # the usual case: one batch

@@ -149,19 +149,23 @@ def test_natural_filler_prompts_put_the_key_between_sentences_at_its_depth():
     text = " ".join(f"Sentence number {i} tells of the river and the town." for i in range(400))
     filler = long_range.natural_filler(tok, text, "test text")
     assert filler.starts[0] == 0 and bool((filler.starts[1:] > filler.starts[:-1]).all())
+    assert filler.ends[-1] == filler.ids.numel() and filler.ends[:-1].tolist() == filler.starts[1:].tolist()  # short sentences: one piece each
     needle = tok(" The pass key is 12345")["input_ids"]
+    question = tok(" " + long_range.PASSKEY_QUESTION)["input_ids"]
+    dot = tok(".")["input_ids"][0]
     lengths = set()
     for depth in (0.1, 0.5, 0.9):
-        start = int(filler.starts[7])
-        prompt, answer = long_range.passkey_prompt(tok, 2000, depth, "12345", filler, start)
+        end = int(filler.ends[60])
+        prompt, answer = long_range.passkey_prompt(tok, 2000, depth, "12345", filler, end)
         lengths.add(len(prompt))
-        pos = next(i for i in range(len(prompt)) if prompt[i : i + len(needle)].tolist() == needle)
-        assert abs(pos / len(prompt) - depth) < 0.1
         body = prompt.tolist()
-        before = tok(long_range.PASSKEY_INTRO)["input_ids"]
-        at = pos - len(before) + start  # where the key went in the filler's own tokens
-        assert at in filler.starts.tolist()  # between two sentences
-        assert body[pos - 1] == tok(".")["input_ids"][0]
+        pos = next(i for i in range(len(body)) if body[i : i + len(needle)] == needle)
+        assert abs(pos / len(prompt) - depth) < 0.1
+        room = len(body) - len(tok(long_range.PASSKEY_INTRO)["input_ids"]) - len(question) - len(tok(" The pass key is 12345. Remember it. 12345 is the pass key.")["input_ids"])
+        at = pos - len(tok(long_range.PASSKEY_INTRO)["input_ids"]) + end - room  # where the key went in the filler's own tokens
+        assert at in filler.starts.tolist() and body[pos - 1] == dot  # between two sentences
+        assert body[-len(question) - 1] == dot and body[-len(question):] == question  # the question follows a whole sentence
+        assert body[-len(question) - 60 : -len(question)] == filler.ids[end - 60 : end].tolist()
     assert len(lengths) == 1  # every prompt of one length is as long: one batch
     # the natural filler changes the prompts, keeps the keys, and is seeded
     model = _EvenKeys()
@@ -171,8 +175,8 @@ def test_natural_filler_prompts_put_the_key_between_sentences_at_its_depth():
     assert a == b and a["filler"] == "natural (test text)" and a["hits"] == rep["hits"]  # the same keys
     g = torch.Generator().manual_seed(0 * 1_000_003 + 450 * 101 + 50)
     [int(torch.randint(10000, 100000, (1,), generator=g)) for _ in range(6)]
-    starts = long_range._filler_starts(filler, 450, 6, g)
-    assert len(set(starts)) > 1 and set(starts) <= set(filler.starts.tolist())
+    ends = long_range._filler_ends(filler, 450, 6, g)
+    assert len(set(ends)) > 1 and set(ends) <= set(filler.ends.tolist()) and min(ends) >= 450
     with pytest.raises(ValueError, match="too few"):
         long_range.passkey_task(model, tok, lengths=[450], depths=[0.5], trials=1, progress=False,
                                 filler=long_range.natural_filler(tok, "Short. Text.", "short"))
