@@ -13,7 +13,8 @@ embedding cosine / accuracy), the evaluation tokens, and the tokens and minutes 
 the per-layer error summary, the generation sample and the command that reproduces the run.
 A figure that carries its 95% confidence interval (``perplexity_ci95`` of a row, ``second_ci95`` of
 a copy gap, ``mean_ci95`` of a passkey length; :mod:`hf_rfa.recipes.intervals`) is shown as
-``value [lo, hi]``; reports written before the intervals existed show the value alone.
+``value [lo, hi]``, and "× original" with its interval paired over the windows both rows read
+(from the rows' ``window_nll``); reports written before the intervals existed show the value alone.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ def _with_ci(value: float, ci: list | None, percent: bool = False) -> str:
     return f"{value:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
+def _ratio(rep: dict, row: dict, ratio: float) -> str:
+    """``× original`` of a row, with its paired interval over the windows both read where the report
+    keeps the windows' sums (none for the original's own rows)."""
+    from hf_rfa.recipes.intervals import paired_ratio_ci
+
+    ref = next((r for r in rep["rows"] if r["variant"].startswith("original") and r.get("context") == row.get("context")), None)
+    ci = paired_ratio_ci(row, ref, rep.get("config", {}).get("seed", 0)) if ref is not None and ref is not row else None
+    return f"{ratio:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
 def _minutes(r: dict) -> str:
     return f"{r['train_minutes']:.1f}" if "train_minutes" in r else ""
 
@@ -122,7 +133,7 @@ def run_table(rep: dict) -> str:
         for r in rows:
             ratio = r["perplexity"] / orig[r["context"]] if orig.get(r["context"]) else float("nan")
             lines.append(
-                f"| {r['variant']} | {r['context']} | {_with_ci(r['perplexity'], r.get('perplexity_ci95'))} | {ratio:.3f} | {r['eval_tokens']} | "
+                f"| {r['variant']} | {r['context']} | {_with_ci(r['perplexity'], r.get('perplexity_ci95'))} | {_ratio(rep, r, ratio)} | {r['eval_tokens']} | "
                 f"{r.get('train_tokens', '')} | {_minutes(r)} | {_op(r)} |"
             )
         return "\n".join(lines)
@@ -224,9 +235,9 @@ def summary_table(runs: list[tuple[str, dict]]) -> str:
                 if not r["variant"].startswith("original"):
                     last[r["context"]] = r
             for ctx, r in sorted(last.items()):
-                ratio = r["perplexity"] / orig[ctx] if orig.get(ctx) else float("nan")
+                ratio = _ratio(rep, r, r["perplexity"] / orig[ctx] if orig.get(ctx) else float("nan"))
                 b = _with_ci(wo[ctx]["perplexity"], wo[ctx].get("perplexity_ci95")) if ctx in wo else "not measured"
-                lines.append(f"| {label} | {r['variant']} | {ctx} | {_with_ci(r['perplexity'], r.get('perplexity_ci95'))} | {ratio:.3f} | {b} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
+                lines.append(f"| {label} | {r['variant']} | {ctx} | {_with_ci(r['perplexity'], r.get('perplexity_ci95'))} | {ratio} | {b} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
         else:
             r = [x for x in rows if not x["variant"].startswith("original")][-1]
             acc = f"{r['accuracy']:.3f}" if "accuracy" in r else ""

@@ -12,7 +12,10 @@ and taking the 2.5th and 97.5th percentiles of the resampled statistic:
   counts); ``exp`` of the percentiles of the mean;
 - **passkey** (:func:`bootstrap_ci` on 0/1 hits): the units are trials; the accuracy at one length
   over several depths resamples the trials of each depth separately (``strata``) and averages the
-  depths, as the figure does.
+  depths, as the figure does;
+- **a ratio of two perplexities on the same windows** (:func:`ratio_ci`, the conversion report's
+  "× original"): the windows are resampled once for both models (a paired bootstrap), which is
+  narrower than the two models' own intervals suggest, since a hard window is hard for both.
 
 An interval needs at least :data:`MIN_UNITS` units: one window gives none (``None``). The interval
 covers the sampling of windows / draws / trials from the held-out text, not the text's choice; with
@@ -94,6 +97,30 @@ def perplexity_ci(window_nll: Sequence[float], window_tokens: Sequence[int], see
     return None if ci is None else [math.exp(ci[0]), math.exp(ci[1])]
 
 
+def ratio_ci(window_nll: Sequence[float], reference_nll: Sequence[float], window_tokens: Sequence[int], seed: int = 0,
+             resamples: int = RESAMPLES) -> list[float] | None:
+    """Paired interval of the ratio of two perplexities on the *same* windows (``window_nll`` and
+    ``reference_nll``: the two models' NLL sums per window, ``window_tokens`` the windows' predicted
+    tokens): the windows are resampled once for both, so what the two share (a hard window is hard
+    for both) cancels. ``exp`` of the bounds of the token-weighted mean of the per-window NLL
+    difference; the ratio itself is ``exp`` of that mean."""
+    if not len(window_nll) == len(reference_nll) == len(window_tokens):
+        raise ValueError(f"{len(window_nll)} and {len(reference_nll)} window sums for {len(window_tokens)} token counts: not the same windows")
+    diffs = [(a - b) / n for a, b, n in zip(window_nll, reference_nll, window_tokens)]
+    ci = bootstrap_ci(diffs, window_tokens, seed=seed, resamples=resamples)
+    return None if ci is None else [math.exp(ci[0]), math.exp(ci[1])]
+
+
+def paired_ratio_ci(row: dict, reference: dict, seed: int = 0) -> list[float] | None:
+    """95% interval of ``row``'s perplexity over ``reference``'s, paired over the windows both read
+    (:func:`ratio_ci`), for two rows of a conversion report (their ``window_nll`` and
+    ``window_tokens``); None where either lacks its windows' sums or they read different windows."""
+    a, b = row.get("window_nll"), reference.get("window_nll")
+    if not a or not b or len(a) != len(b) or row.get("window_tokens") != reference.get("window_tokens"):
+        return None
+    return ratio_ci(a, b, row["window_tokens"], seed=seed)
+
+
 def copy_ci(draw_nll: Sequence[float], seed: int = 0, resamples: int = RESAMPLES) -> list[float] | None:
     """Interval of a copy-task perplexity over draws (``draw_nll``: each draw's mean NLL): ``exp`` of
     the bounds of the mean."""
@@ -110,4 +137,4 @@ def fmt(value: float, ci: Sequence[float] | None, spec: str = ".2f", percent: bo
     return cell if not ci else f"{cell} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
-__all__ = ["LEVEL", "MIN_UNITS", "RESAMPLES", "bootstrap_ci", "copy_ci", "fmt", "perplexity_ci"]
+__all__ = ["LEVEL", "MIN_UNITS", "RESAMPLES", "bootstrap_ci", "copy_ci", "fmt", "paired_ratio_ci", "perplexity_ci", "ratio_ci"]

@@ -69,6 +69,29 @@ def test_bootstrap_is_seeded_contains_the_estimate_and_narrows_with_more_units()
         intervals.bootstrap_ci([1.0, 2.0], level=1.0)
 
 
+def test_paired_ratio_interval_cancels_what_the_windows_share():
+    """Two models on the same windows, one 5% worse on every window: their own intervals overlap
+    widely, the paired interval of the ratio is the 5% exactly."""
+    rng = random.Random(1)
+    tokens = [1023] * 12
+    ref = [n * rng.uniform(2.2, 3.6) for n in tokens]  # windows of very different difficulty
+    worse = [s + n * math.log(1.05) for s, n in zip(ref, tokens)]
+    a, b = intervals.perplexity_ci(worse, tokens), intervals.perplexity_ci(ref, tokens)
+    assert a[0] < b[1]  # the two models' own intervals overlap
+    assert intervals.ratio_ci(worse, ref, tokens) == pytest.approx([1.05, 1.05])
+    noisy = [s + n * rng.gauss(0.05, 0.02) for s, n in zip(ref, tokens)]
+    lo, hi = intervals.ratio_ci(noisy, ref, tokens, seed=4)
+    diffs = [(x - y) / n for x, y, n in zip(noisy, ref, tokens)]
+    assert [lo, hi] == pytest.approx([math.exp(v) for v in intervals.bootstrap_ci(diffs, tokens, seed=4)])
+    assert lo < math.exp(sum(diffs) / len(diffs)) < hi
+    row, orig = {"window_nll": noisy, "window_tokens": tokens}, {"window_nll": ref, "window_tokens": tokens}
+    assert intervals.paired_ratio_ci(row, orig, seed=4) == [lo, hi]
+    assert intervals.paired_ratio_ci(row, {"window_nll": ref[:6], "window_tokens": tokens[:6]}) is None  # other windows
+    assert intervals.paired_ratio_ci(row, {"perplexity": 3.0}) is None  # a report without the sums
+    with pytest.raises(ValueError, match="same windows"):
+        intervals.ratio_ci(noisy, ref[:3], tokens)
+
+
 def test_stratified_bootstrap_resamples_each_group_and_averages_them():
     groups = [[1, 1, 1, 1], [0, 1, 0, 1]]
     lo, hi = intervals.bootstrap_ci(groups, strata=True, resamples=2000, seed=3)
@@ -294,7 +317,13 @@ def test_results_page_shows_intervals_where_a_report_has_them():
                         "passkey": {"mean": {"1024": 0.5}, "mean_ci95": {"1024": [0.25, 0.75]}, "key_mean": {"1024": 1.0}, "key_mean_ci95": {"1024": None}}},
                        {"variant": "old", "copy": {"512": {"second": 9.0, "first": 20.0}}, "passkey": {"mean": {"1024": 0.5}}}]}
     table = report.run_table(rep)
-    assert "| 20.00 [19.00, 21.25] |" in table and "| 22.00 |" in table
+    assert "| 20.00 [19.00, 21.25] | 1.000 |" in table and "| 22.00 | 1.100 |" in table
+    # rows that keep their windows' sums: × original with its paired interval
+    paired = {**rep, "rows": [{**rep["rows"][0], "window_nll": [2000.0, 3000.0, 2600.0], "window_tokens": [1000] * 3},
+                              {**rep["rows"][1], "window_nll": [2100.0, 3090.0, 2700.0], "window_tokens": [1000] * 3}]}
+    ci = intervals.ratio_ci([2100.0, 3090.0, 2700.0], [2000.0, 3000.0, 2600.0], [1000] * 3)
+    assert f"| 1.100 [{ci[0]:.3f}, {ci[1]:.3f}] |" in report.run_table(paired)
+    assert f"| 1.100 [{ci[0]:.3f}, {ci[1]:.3f}] |" in report.summary_table([("run", paired)])
     lr = report.long_range_table(rep)
     assert "| original (softmax) | 20.00 [19.00, 21.25] | 1.20 [1.10, 1.31] (20.0) | 50% [25%, 75%] (key 100%) |" in lr
     assert "| old | 22.00 | 9.00 (20.0) | 50% |" in lr
@@ -343,4 +372,7 @@ def test_conversion_run_carries_intervals_into_report_results_and_card(tiny, tmp
     row = next(line for line in card.splitlines() if line.startswith("| perplexity @64"))
     lo, hi = final["perplexity_ci95"]
     assert f"{final['perplexity']:.4g} [{lo:.4g}, {hi:.4g}]" in row
+    orig = rep["rows"][0]
+    rlo, rhi = intervals.ratio_ci(final["window_nll"], orig["window_nll"], final["window_tokens"])
+    assert f"{final['perplexity'] / orig['perplexity']:.4g} [{rlo:.4g}, {rhi:.4g}]" in row
     assert "value: " in card  # the model-index keeps numbers

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from .. import evaluation
+from ..intervals import paired_ratio_ci
 from . import calibration, devices, layerwise, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
@@ -292,7 +293,7 @@ def causal_metrics(s: State) -> None:
             continue
         o = orig[r["context"]]
         entry = {"converted": _ci(r["perplexity"], r.get("perplexity_ci95")), "original": _ci(o["perplexity"], o.get("perplexity_ci95")),
-                 "ratio": r["perplexity"] / o["perplexity"]}
+                 "ratio": _ci(r["perplexity"] / o["perplexity"], paired_ratio_ci(r, o, s.cfg.seed))}
         # the window-only row with the same training budget, next to the features
         b = next((x for x in s.rows if x["variant"] == s.baseline and x["context"] == r["context"]), None) if s.baseline else None
         if b is not None:

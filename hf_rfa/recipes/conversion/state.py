@@ -89,7 +89,8 @@ def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> No
             r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name, seed=cfg.seed)
         s.rows.append({
             "variant": name, "context": ctx, "perplexity": r["perplexity"], "perplexity_ci95": r["ci95"], "eval_tokens": r["tokens"],
-            "windows": r["windows"], "op": "op (autograd form)" if twin else "chunked op",
+            "windows": r["windows"], "window_nll": r["window_nll"], "window_tokens": r["window_tokens"],
+            "op": "op (autograd form)" if twin else "chunked op",
         })
         logger.info("%s @%d: perplexity %s (%d tokens, %d windows)", name, ctx, fmt(r["perplexity"], r["ci95"]), r["tokens"], r["windows"])
 
