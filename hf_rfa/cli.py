@@ -170,9 +170,9 @@ class EvaluateArguments:
     grid: str | None = field(default=None, metadata={"help": "run a named evaluation grid instead of --task: 'full' (perplexity on 32,768 tokens per "
                                                      "context at 1k-16k, copy at gaps 512-7680 with 8 draws, passkey 1k-8k x 3 depths x 10 trials with "
                                                      "repeated and natural filler; on wikipedia:eval and bbc_news:test); flags given override its settings"})
-    texts: list[str] = field(default_factory=list, metadata={"help": "grid: texts of perplexity and copy (default: the grid's)"})
-    contexts: list[int] = field(default_factory=list, metadata={"help": "grid: perplexity contexts (default: the grid's)"})
-    gaps: list[int] = field(default_factory=list, metadata={"help": "grid: copy gaps (default: the grid's)"})
+    texts: list[str] = field(default_factory=list, metadata={"help": "grid: texts of perplexity and copy (not given: the grid's)"})
+    contexts: list[int] = field(default_factory=list, metadata={"help": "grid: perplexity contexts (not given: the grid's)"})
+    gaps: list[int] = field(default_factory=list, metadata={"help": "grid: copy gaps (not given: the grid's)"})
     output: str | None = field(default=None, metadata={"help": "also write the result to this JSON file (with --grid, its tables to the same name with .md)"})
     seed: int = field(default=0, metadata={"help": "seed of the copy draws, pass keys, filler spans and bootstrap resamples"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
