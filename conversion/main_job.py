@@ -22,9 +22,11 @@
    transfer, after transfer + LoRA, and + memory) on the held-out eval articles: perplexity at contexts 1024, 4096 and 8192 (4,096,
    4,096 and 8,192 predicted tokens), the copy task at gaps 512 and 3,584 (2 seeded draws each)
    and, for the original and the trained variants, passkey retrieval at 1,024 tokens (4 trials × 3
-   depths). These budgets keep ``make main`` within 30 min on a 2-core CPU; the larger long-range
-   grid (8 copy draws, passkey at 1k–8k with 20 trials per cell) is ``hf-rfa-evaluate`` on the
-   output folder (``docs/conversion.md``);
+   depths), every figure with its 95% bootstrap interval where it averages more than one window,
+   draw or trial. These budgets keep ``make main`` within 30 min on a 2-core CPU; the full
+   evaluation of the published model (perplexity on 32k tokens per context up to 16k, copy up to
+   gap 7,680 with 8 draws, passkey 1k–8k with natural-text filler too, a second held-out domain) is
+   ``hf-rfa-evaluate --model OUTPUT --grid full`` (``docs/conversion.md``);
 6. prints the table, a greedy generation sample (decoded with the constant-memory cache) and the
    output folder (Hub-ready export, ``report.json`` with every figure), and writes the run file
    ``conversion/results/runs/smollm2-recall_v<version>.json``: that report with paths under the

@@ -11,6 +11,10 @@ variant comes first. For every run
 the table lists every variant measured (context, perplexity and its ratio to the original, or
 embedding cosine / accuracy), the evaluation tokens, and the tokens and minutes of training, then
 the per-layer error summary, the generation sample and the command that reproduces the run.
+A figure that carries its 95% confidence interval (``perplexity_ci95`` of a row, ``second_ci95`` of
+a copy gap, ``mean_ci95`` of a passkey length; :mod:`hf_rfa.recipes.intervals`) is shown as
+``value [lo, hi]``, and "× original" with its interval paired over the windows both rows read
+(from the rows' ``window_nll``); reports written before the intervals existed show the value alone.
 """
 
 from __future__ import annotations
@@ -95,6 +99,23 @@ def command_of(cfg: dict) -> str:
     return " ".join(_quote(p) for p in parts)
 
 
+def _with_ci(value: float, ci: list | None, percent: bool = False) -> str:
+    """``value [lo, hi]`` (two decimals, or whole percents), the value alone without an interval."""
+    if percent:
+        return f"{value:.0%}" + (f" [{ci[0]:.0%}, {ci[1]:.0%}]" if ci else "")
+    return f"{value:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def _ratio(rep: dict, row: dict, ratio: float) -> str:
+    """``× original`` of a row, with its paired interval over the windows both read where the report
+    keeps the windows' sums (none for the original's own rows)."""
+    from hf_rfa.recipes.intervals import paired_ratio_ci
+
+    ref = next((r for r in rep["rows"] if r["variant"].startswith("original") and r.get("context") == row.get("context")), None)
+    ci = paired_ratio_ci(row, ref, rep.get("config", {}).get("seed", 0)) if ref is not None and ref is not row else None
+    return f"{ratio:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
 def _minutes(r: dict) -> str:
     return f"{r['train_minutes']:.1f}" if "train_minutes" in r else ""
 
@@ -112,7 +133,7 @@ def run_table(rep: dict) -> str:
         for r in rows:
             ratio = r["perplexity"] / orig[r["context"]] if orig.get(r["context"]) else float("nan")
             lines.append(
-                f"| {r['variant']} | {r['context']} | {r['perplexity']:.2f} | {ratio:.3f} | {r['eval_tokens']} | "
+                f"| {r['variant']} | {r['context']} | {_with_ci(r['perplexity'], r.get('perplexity_ci95'))} | {_ratio(rep, r, ratio)} | {r['eval_tokens']} | "
                 f"{r.get('train_tokens', '')} | {_minutes(r)} | {_op(r)} |"
             )
         return "\n".join(lines)
@@ -139,12 +160,12 @@ def long_range_table(rep: dict) -> str:
     head = ["variant"] + [f"ppl @{c}" for c in ctxs] + [f"copy @{g}: 2nd (1st)" for g in gaps] + [f"passkey @{n}" for n in lens]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in variants:
-        ppl = {r["context"]: r["perplexity"] for r in rows if r["variant"] == v}
+        ppl = {r["context"]: r for r in rows if r["variant"] == v}
         e = lr.get(v, {})
-        cells = [v] + [f"{ppl[c]:.2f}" if c in ppl else "" for c in ctxs]
+        cells = [v] + [_with_ci(ppl[c]["perplexity"], ppl[c].get("perplexity_ci95")) if c in ppl else "" for c in ctxs]
         for g in gaps:
             c = e.get("copy", {}).get(str(g))
-            cells.append(f"{c['second']:.2f} ({c['first']:.1f})" if c else "")
+            cells.append(f"{_with_ci(c['second'], c.get('second_ci95'))} ({c['first']:.1f})" if c else "")
         cells += [_passkey_cell(e.get("passkey") or {}, str(n)) for n in lens]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -156,7 +177,14 @@ def _passkey_cell(pk: dict, n: str) -> str:
     exact, key = (pk.get("mean") or {}).get(n), (pk.get("key_mean") or {}).get(n)
     if exact is None:
         return ""
-    return f"{exact:.0%}" + (f" (key {key:.0%})" if key is not None and key != exact else "")
+    ci, key_ci = (pk.get("mean_ci95") or {}).get(n), (pk.get("key_mean_ci95") or {}).get(n)
+    return _with_ci(exact, ci, percent=True) + (f" (key {_with_ci(key, key_ci, percent=True)})" if key is not None and key != exact else "")
+
+
+def _has_intervals(rep: dict) -> bool:
+    """Whether a report carries intervals (runs written before them do not)."""
+    return any(r.get("perplexity_ci95") for r in rep.get("rows", [])) or any(
+        c.get("second_ci95") for e in rep.get("long_range", []) for c in e.get("copy", {}).values())
 
 
 def load_run(spec: str) -> tuple[str, dict]:
@@ -201,15 +229,15 @@ def summary_table(runs: list[tuple[str, dict]]) -> str:
         base = baseline_variant(rep)
         if rep["kind"] == "causal-lm":
             orig = {r["context"]: r["perplexity"] for r in rows if r["variant"].startswith("original")}
-            wo = {r["context"]: r["perplexity"] for r in rows if r["variant"] == base}
+            wo = {r["context"]: r for r in rows if r["variant"] == base}
             last = {}
             for r in rows:
                 if not r["variant"].startswith("original"):
                     last[r["context"]] = r
             for ctx, r in sorted(last.items()):
-                ratio = r["perplexity"] / orig[ctx] if orig.get(ctx) else float("nan")
-                b = f"{wo[ctx]:.2f}" if ctx in wo else "not measured"
-                lines.append(f"| {label} | {r['variant']} | {ctx} | {r['perplexity']:.2f} | {ratio:.3f} | {b} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
+                ratio = _ratio(rep, r, r["perplexity"] / orig[ctx] if orig.get(ctx) else float("nan"))
+                b = _with_ci(wo[ctx]["perplexity"], wo[ctx].get("perplexity_ci95")) if ctx in wo else "not measured"
+                lines.append(f"| {label} | {r['variant']} | {ctx} | {_with_ci(r['perplexity'], r.get('perplexity_ci95'))} | {ratio} | {b} | {r.get('train_tokens', 0)} | {_minutes(r) or '0'} |")
         else:
             r = [x for x in rows if not x["variant"].startswith("original")][-1]
             acc = f"{r['accuracy']:.3f}" if "accuracy" in r else ""
@@ -236,7 +264,8 @@ def render(specs: list[str], note: str = "", command: str | None = None) -> str:
         out += [run_table(rep), ""]
         if rep.get("long_range"):
             out += ["Long range (copy: perplexity of the second copy of a 256-token passage, first copy in brackets, "
-                    "mean over the run's seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%; \"key\": the same trials without the answer's leading space token, shown where it differs):", "", long_range_table(rep), ""]
+                    "mean over the run's seeded draws; passkey: greedy exact-match accuracy, mean over depths 10/50/90%; \"key\": the same trials without the answer's leading space token, shown where it differs"
+                    + ("; [lo, hi]: 95% bootstrap interval over windows / draws / trials" if _has_intervals(rep) else "") + "):", "", long_range_table(rep), ""]
         st = rep.get("stages", {})
         for name, s in st.items():
             out.append(f"- {name}: {s['tokens']} tokens, {s['steps']} steps, {s['minutes']:.1f} min, loss {s['loss_first']:.4g} → {s['loss_last']:.4g}")

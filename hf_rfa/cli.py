@@ -1,7 +1,7 @@
 """Command lines installed as entry points (``[project.scripts]``); the repo scripts are thin wrappers.
 
     hf-rfa-convert      conversion/convert.py        convert + transfer + (LoRA) + report + export
-    hf-rfa-evaluate     conversion/evaluate.py       perplexity / copy / passkey of a checkpoint (one JSON line)
+    hf-rfa-evaluate     conversion/evaluate.py       perplexity / copy / passkey of a checkpoint with intervals, or --grid full (one JSON line)
     hf-rfa-finetune     training/finetune.py         transformers.Trainer recipe
     hf-rfa-train        training/train_accelerate.py Accelerate loop with exact resume
 
@@ -30,7 +30,8 @@ from typing import Literal
 
 CONVERT_DESCRIPTION = ("Convert a checkpoint to random feature attention: transfer, (LoRA), quality report, export. "
                        "--preset NAME gives every flag's default (flags given override it); --debug shows tracebacks.")
-EVALUATE_DESCRIPTION = "Perplexity, copy or passkey of any causal-LM checkpoint, original or converted; prints one JSON line."
+EVALUATE_DESCRIPTION = ("Perplexity, copy or passkey of any causal-LM checkpoint, original or converted, each figure with its 95% "
+                        "bootstrap interval; --grid full runs the evaluation of a published model. Prints one JSON line.")
 EVALUATE_TASKS = ("perplexity", "copy", "passkey")
 
 
@@ -164,14 +165,33 @@ class EvaluateArguments:
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192], metadata={"help": "passkey: prompt lengths"})
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9], metadata={"help": "passkey: depths of the key in [0, 1]"})
     trials: int = field(default=20, metadata={"help": "passkey: seeded trials per (length, depth)"})
-    seed: int = field(default=0, metadata={"help": "seed of the copy draws and pass keys"})
+    fillers: list[str] = field(default_factory=lambda: ["repeated"], metadata={"help": "passkey: filler kinds, 'repeated' (one block of sentences) and/or 'natural' (--filler-text)"})
+    filler_text: str = field(default="wikipedia:eval", metadata={"help": "passkey: held-out text of the natural filler"})
+    grid: str | None = field(default=None, metadata={"help": "run a named evaluation grid instead of --task: 'full' (perplexity on 32,768 tokens per "
+                                                     "context at 1k-16k, copy at gaps 512-7680 with 8 draws, passkey 1k-8k x 3 depths x 10 trials with "
+                                                     "repeated and natural filler; on wikipedia:eval and bbc_news:test); flags given override its settings"})
+    texts: list[str] = field(default_factory=list, metadata={"help": "grid: texts of perplexity and copy (not given: the grid's)"})
+    contexts: list[int] = field(default_factory=list, metadata={"help": "grid: perplexity contexts (not given: the grid's)"})
+    gaps: list[int] = field(default_factory=list, metadata={"help": "grid: copy gaps (not given: the grid's)"})
+    output: str | None = field(default=None, metadata={"help": "also write the result to this JSON file (with --grid, its tables to the same name with .md)"})
+    seed: int = field(default=0, metadata={"help": "seed of the copy draws, pass keys, filler spans and bootstrap resamples"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
 
     def __post_init__(self) -> None:
+        from .recipes.grid import GRIDS
+        from .recipes.long_range import PASSKEY_FILLERS
+
         if self.task not in EVALUATE_TASKS:
             raise ValueError(f"task (--task) must be one of {EVALUATE_TASKS}, got {self.task!r}")
-        if self.task in ("perplexity", "copy") and self.text is None:
+        if self.grid is not None and self.grid not in GRIDS:
+            raise ValueError(f"grid (--grid) must be one of {tuple(GRIDS)}, got {self.grid!r}")
+        if self.grid is not None and self.text is not None:
+            raise ValueError("--grid reads --texts (several), not --text")
+        if self.grid is None and self.task in ("perplexity", "copy") and self.text is None:
             raise ValueError(f"--task {self.task} needs --text")
+        bad = [f for f in self.fillers if f not in PASSKEY_FILLERS]
+        if bad or not self.fillers:
+            raise ValueError(f"fillers (--fillers) must be among {PASSKEY_FILLERS}, got {self.fillers}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens (--max-tokens) must be >= 1 (or omitted: all), got {self.max_tokens}")
         if self.context < 2:
@@ -184,43 +204,92 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     Tasks: ``perplexity`` (standard non-overlapping windows; ``tokens`` = predicted tokens), ``copy``
     (a passage of held-out text, ``--gap`` tokens of other text, the passage again: perplexity of
     the first and the second copy), ``passkey`` (a 5-digit key at depths 10/50/90% of filler text,
-    greedy retrieval accuracy per length and depth). Seeded and deterministic.
+    greedy retrieval accuracy per length and depth; ``--fillers repeated natural``: the classic
+    filler and/or held-out text). Every figure comes with ``..._ci95``, its 95% percentile-bootstrap
+    interval over windows / draws / trials (:mod:`hf_rfa.recipes.intervals`). ``--grid NAME`` runs
+    a named grid of all three (:data:`hf_rfa.recipes.grid.GRIDS`) instead; flags given explicitly
+    override the grid's settings. Seeded and deterministic.
     """
     from .recipes import evaluation, flags, long_range
     from .recipes.conversion.pipeline import CAUSAL_LM, load_model
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = flags.parser([EvaluateArguments], formatter_class=_DefaultsFormatter, description=EVALUATE_DESCRIPTION)
     try:
         (a,) = p.parse_args_into_dataclasses(args=argv)
+        grid = _grid_of(a, argv)
     except ValueError as e:  # EvaluateArguments' checks: a usage error, like argparse's own
         p.error(str(e))
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
-        p.error(f"--model {a.model} is a {kind}, not a causal LM: {a.task} is undefined")
-    _check_positions(p, a, model)
-    if a.task == "passkey":
-        r = long_range.passkey_task(model, tok, a.lengths, a.depths, a.trials, a.seed, progress=a.progress)
-        out = {"task": a.task, **r}
+        p.error(f"--model {a.model} is a {kind}, not a causal LM: {'the grid' if grid else a.task} is undefined")
+    _check_positions(p, a, model, grid)
+    if grid is not None:
+        from .recipes.grid import grid_markdown, run_grid
+
+        out = {"task": "grid", "name": a.grid, "model": a.model, **run_grid(model, tok, grid, seed=a.seed, progress=a.progress)}
+        _write_output(a.output, out, grid_markdown(out, f"Evaluation grid '{a.grid}' of {a.model}"))
+    elif a.task == "passkey":
+        runs = {}
+        for kind in a.fillers:
+            filler = long_range.natural_filler(tok, evaluation.load_text(a.filler_text), a.filler_text) if kind == "natural" else None
+            runs[kind] = long_range.passkey_task(model, tok, a.lengths, a.depths, a.trials, a.seed, progress=a.progress, filler=filler)
+        out = {"task": a.task, **runs[a.fillers[0]]} if len(runs) == 1 else {"task": a.task, "by_filler": runs}
+        _write_output(a.output, out)
     else:
         ids = evaluation.tokenize(tok, evaluation.load_text(a.text))
         if a.task == "copy":
             r = long_range.copy_task(model, ids, a.gap, a.passage, a.draws, seed=a.seed, progress=a.progress)
             out = {"task": a.task, **r}
         else:
-            r = evaluation.perplexity(model, ids, a.context, a.max_tokens, progress=a.progress)
-            out = {"task": a.task, "perplexity": r["perplexity"], "tokens": r["tokens"], "windows": r["windows"], "context": r["context"]}
+            r = evaluation.perplexity(model, ids, a.context, a.max_tokens, progress=a.progress, seed=a.seed)
+            out = {"task": a.task, "perplexity": r["perplexity"], "ci95": r["ci95"], "tokens": r["tokens"], "windows": r["windows"], "context": r["context"]}
+        _write_output(a.output, out)
     print(json.dumps(out))
     return out
 
 
-def _check_positions(p, a: EvaluateArguments, model) -> None:
+#: ``EvaluateArguments`` fields that a grid sets unless given on the command line (field -> the grid's)
+_GRID_FIELDS = {"texts": "texts", "contexts": "contexts", "max_tokens": "max_tokens", "gaps": "gaps", "passage": "passage", "draws": "draws",
+                "lengths": "lengths", "depths": "depths", "trials": "trials", "fillers": "fillers", "filler_text": "filler_text"}
+
+
+def _grid_of(a: EvaluateArguments, argv: list[str]):
+    """The ``--grid`` named (None without one), with every flag given in ``argv`` in place of its setting."""
+    if a.grid is None:
+        return None
+    from dataclasses import replace
+
+    from .recipes.grid import GRIDS
+
+    given = {x.split("=")[0][2:].replace("-", "_") for x in argv if x.startswith("--")}
+    changes = {g: (tuple(getattr(a, f)) if isinstance(getattr(a, f), list) else getattr(a, f)) for f, g in _GRID_FIELDS.items() if f in given}
+    return replace(GRIDS[a.grid], **changes)
+
+
+def _write_output(path: str | None, out: dict, markdown: str | None = None) -> None:
+    """``--output``: the result as indented JSON at ``path`` and (a grid) its tables next to it as ``.md``."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(out, indent=2) + "\n")
+    if markdown is not None:
+        with open(os.path.splitext(path)[0] + ".md", "w", encoding="utf-8") as f:
+            f.write(markdown)
+
+
+def _check_positions(p, a: EvaluateArguments, model, grid=None) -> None:
     """A model with learned positions cannot read past them: refuse before any window is evaluated."""
     from .recipes.conversion.checks import learned_positions
 
     limit = learned_positions(model)
-    longest = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths))}[a.task]
+    if grid is not None:
+        longest = ("--grid", grid.longest)
+    else:
+        longest = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths))}[a.task]
     if limit is not None and longest[1] > limit:
-        p.error(f"{longest[0]}: {a.task} needs {longest[1]} tokens but {a.model} has {limit} learned positions")
+        p.error(f"{longest[0]}: {a.grid or a.task} needs {longest[1]} tokens but {a.model} has {limit} learned positions")
 
 
 # --------------------------------------------------------------------------- training

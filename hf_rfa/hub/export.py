@@ -114,7 +114,8 @@ def export(
         out_dir: target folder (created; must be empty unless ``overwrite``).
         base_model: Hub id of the model it was converted from (model card ``base_model``).
         metrics: measured quality for the model card table — ``{name: value}`` or
-            ``{name: {column: value}}``; nothing is reported when None (no numbers are invented).
+            ``{name: {column: value}}``, a value a number, a string or ``{"value": x, "ci95": [lo, hi]}``
+            (shown as ``x [lo, hi]``); nothing is reported when None (no numbers are invented).
         tags: model card tags (``hf_rfa``, ``linear-attention``, ``random-feature-attention``).
         auto_class: Auto class for the card and the first ``auto_map`` entry (default: the most
             specific one whose mapping holds the model's class, e.g. ``AutoModelForCausalLM``).

@@ -2,7 +2,9 @@
 (license, base_model, tags, ``model-index`` eval results) + usage + settings + metrics.
 
 The quality table shows only the numbers passed in ``metrics``; without them the card says that
-no measurements were supplied. Nothing is estimated or filled in.
+no measurements were supplied. Nothing is estimated or filled in. A value may carry its 95%
+confidence interval as ``{"value": x, "ci95": [lo, hi]}`` (``ci95`` None: none measured); the
+table shows it as ``x [lo, hi]`` and the ``model-index`` the value.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def eval_results(
 
     out = []
     for name, row in (metrics or {}).items():
-        cells = row.items() if isinstance(row, dict) else [(None, row)]
+        cells = row.items() if isinstance(row, dict) and not is_interval(row) else [(None, row)]
         for col, value in cells:
+            value = value["value"] if is_interval(value) else value
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue
             label = name if col is None else f"{name} [{col}]"
@@ -65,14 +68,38 @@ def card_data(
     )
 
 
+def is_interval(value: Any) -> bool:
+    """Whether ``value`` is a figure with its interval: a dict with exactly the keys ``value`` and ``ci95``."""
+    return isinstance(value, dict) and set(value) == {"value", "ci95"}
+
+
+def _number(path: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{path} must be a number, got {type(value).__name__}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{path} must be finite, got {value!r}")
+
+
 def _check_value(path: str, value: Any) -> None:
+    if is_interval(value):
+        _number(f"{path}['value']", value["value"])
+        ci = value["ci95"]
+        if ci is not None:
+            if not isinstance(ci, (list, tuple)) or len(ci) != 2:
+                raise ValueError(f"{path}['ci95'] must be [lo, hi] or None, got {ci!r}")
+            for i, b in enumerate(ci):
+                _number(f"{path}['ci95'][{i}]", b)
+        return
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise ValueError(f"{path} must be a number or a string, got {type(value).__name__}")
+        raise ValueError(f"{path} must be a number, a string or {{'value': number, 'ci95': [lo, hi]}}, got {type(value).__name__}")
     if isinstance(value, numbers.Real) and not math.isfinite(float(value)):
         raise ValueError(f"{path} must be finite, got {value!r}")
 
 
 def _fmt(value: Any) -> str:
+    if is_interval(value):
+        ci = value["ci95"]
+        return _fmt(value["value"]) + ("" if ci is None else f" [{_fmt(ci[0])}, {_fmt(ci[1])}]")
     if isinstance(value, str):
         return value.replace("|", "\\|")
     if isinstance(value, numbers.Integral):
@@ -85,13 +112,14 @@ def metrics_table(metrics: dict[str, Any] | None) -> str:
 
     ``{name: value}`` → a ``metric | value`` table; ``{name: {column: value}}`` (e.g. columns
     ``rfa``/``softmax``/``dataset``) → one row per name, columns in first-seen order. Values must
-    be numbers or strings; ValueError names the bad entry (``metrics['ppl']['rfa']``).
+    be numbers, strings or figures with their interval (``{"value": x, "ci95": [lo, hi]}``, shown
+    as ``x [lo, hi]``); ValueError names the bad entry (``metrics['ppl']['rfa']``).
     """
     if metrics is None or len(metrics) == 0:
         return "No quality measurements were supplied at export time.\n"
     if not isinstance(metrics, dict):
         raise ValueError(f"metrics must be a dict, got {type(metrics).__name__}")
-    nested = [isinstance(v, dict) for v in metrics.values()]
+    nested = [isinstance(v, dict) and not is_interval(v) for v in metrics.values()]
     if any(nested) and not all(nested):
         raise ValueError("metrics must be all {name: value} or all {name: {column: value}}, not a mix")
     for name in metrics:

@@ -8,7 +8,8 @@
   tokens then L2 normalisation (as sentence-transformers does for all-MiniLM-L6-v2).
 - :func:`accuracy`: sequence classifiers on labelled texts.
 - Text sources (:func:`load_text`, :func:`load_labelled`): a file path, ``wikipedia:<split>`` /
-  ``rotten_tomatoes:<split>`` (offline assets, :mod:`hf_rfa.assets`), or a Hub dataset
+  ``rotten_tomatoes:<split>`` / ``bbc_news:<split>`` (offline assets, :mod:`hf_rfa.assets`; the
+  BBC articles are news, a second held-out domain for causal LMs converted on Wikipedia), or a Hub dataset
   ``<name>[:<config>]:<split>`` (``wikitext:wikitext-2-raw-v1:test``, ``sst2:validation``).
 """
 
@@ -89,6 +90,10 @@ def load_text(spec: str) -> str:
         return "\n\n".join(assets.wikipedia_split(spec.split(":", 1)[1]))
     if spec.startswith("rotten_tomatoes:"):
         return "\n".join(load_labelled(spec)[0])
+    if spec.startswith("bbc_news:"):
+        from .. import assets
+
+        return "\n\n".join(f"{a['title']}\n{a['text']}" for a in assets.bbc_news(spec.split(":", 1)[1]))
     ds = _hub_dataset(spec)
     col = next((c for c in _TEXT_COLUMNS if c in ds.column_names), None)
     if col is None:
@@ -98,7 +103,8 @@ def load_text(spec: str) -> str:
 
 def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
     """Texts and labels (None if the source has none): CSV file (``text[,label]``),
-    ``rotten_tomatoes:<train|test>`` or a Hub dataset ``name[:config]:split``."""
+    ``rotten_tomatoes:<train|test>``, ``bbc_news:<train|test>`` (topic labels) or a Hub dataset
+    ``name[:config]:split``."""
     if os.path.isfile(spec):
         if builder_of(spec) == "text" and not _read_file(spec).strip():  # also names a non-UTF-8 file
             _nonempty(spec, [])
@@ -117,6 +123,11 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
         return [r["text"] for r in rows], [int(r["label"]) for r in rows]
     if spec.startswith("wikipedia:"):
         return [p for p in load_text(spec).split("\n") if p.strip()], None
+    if spec.startswith("bbc_news:"):
+        from .. import assets
+
+        rows = assets.bbc_news(spec.split(":", 1)[1])
+        return [r["text"] for r in rows], [int(r["label"]) for r in rows]
     return _labelled(_hub_dataset(spec), spec)
 
 
@@ -186,11 +197,16 @@ def perplexity(
     max_tokens: int | None = None,
     progress: bool = True,
     desc: str = "perplexity",
+    seed: int = 0,
 ) -> dict:
     """Perplexity of ``model`` on token ids ``[N]`` with non-overlapping windows of ``context``.
 
-    Returns ``{"perplexity", "tokens" (predicted), "windows", "context"}``. ``max_tokens`` caps
-    the number of windows at ``max(1, max_tokens // context)``, spread evenly over the text.
+    Returns ``{"perplexity", "tokens" (predicted), "windows", "context", "ci95", "window_nll",
+    "window_tokens"}``: ``ci95`` is the 95% percentile-bootstrap interval over windows
+    (:func:`hf_rfa.recipes.intervals.perplexity_ci`, seeded by ``seed``; None for one window),
+    ``window_nll`` / ``window_tokens`` each window's NLL sum and predicted tokens, in window order.
+    ``max_tokens`` caps the number of windows at ``max(1, max_tokens // context)``, spread evenly
+    over the text.
     """
     from tqdm.auto import tqdm
 
@@ -205,11 +221,18 @@ def perplexity(
         x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
         logits = model(input_ids=x, **kwargs).logits[0, :-1].float()
         local[i] = (float(torch.nn.functional.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="sum")), x.shape[1] - 1)
+    from .intervals import perplexity_ci
+
     nll, n = 0.0, 0
-    for s, k in distributed.gather_window_sums(local, len(windows)):  # added in window order: the same sum on 1 or N processes
+    sums = distributed.gather_window_sums(local, len(windows))
+    for s, k in sums:  # added in window order: the same sum on 1 or N processes
         nll += s
         n += k
-    return {"perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context}
+    window_nll, window_tokens = [float(s) for s, _ in sums], [int(k) for _, k in sums]
+    return {
+        "perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context,
+        "ci95": perplexity_ci(window_nll, window_tokens, seed=seed), "window_nll": window_nll, "window_tokens": window_tokens,
+    }
 
 
 # --------------------------------------------------------------------------- encoders

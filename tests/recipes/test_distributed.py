@@ -68,6 +68,7 @@ def test_two_processes_equal_one(tmp_path):
     assert two["processes"] == 2 and "processes" not in one
     for a, b in zip(one["rows"], two["rows"], strict=True):
         assert a["variant"] == b["variant"] and a["perplexity"] == b["perplexity"] and a["eval_tokens"] == b["eval_tokens"]
+        assert a["window_nll"] == b["window_nll"] and a["perplexity_ci95"] == b["perplexity_ci95"]  # windows gathered in order
     for stage in ("transfer", "lora"):
         assert one["stages"][stage]["tokens"] == two["stages"][stage]["tokens"] and one["stages"][stage]["steps"] == two["stages"][stage]["steps"]
     w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")

@@ -20,7 +20,7 @@ from .loading import CAUSAL_LM
 
 logger = logging.getLogger(__name__)
 
-_TEXT_FORMS = "a local .txt/.csv/.tsv/.json/.jsonl/.parquet file, wikipedia:<split>, rotten_tomatoes:<split> or a Hub dataset name[:config]:split"
+_TEXT_FORMS = "a local .txt/.csv/.tsv/.json/.jsonl/.parquet file, wikipedia:<split>, rotten_tomatoes:<split>, bbc_news:<split> or a Hub dataset name[:config]:split"
 #: passage length of the copy task (:func:`hf_rfa.recipes.long_range.copy_task`'s default, used by the pipeline)
 _COPY_PASSAGE = 256
 

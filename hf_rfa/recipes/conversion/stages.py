@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from .. import evaluation
+from ..intervals import paired_ratio_ci
 from . import calibration, devices, layerwise, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
@@ -290,12 +291,38 @@ def causal_metrics(s: State) -> None:
     for r in s.rows:
         if r["variant"] != s.final:
             continue
-        entry = {"converted": r["perplexity"], "original": orig[r["context"]]["perplexity"], "ratio": r["perplexity"] / orig[r["context"]]["perplexity"]}
+        o = orig[r["context"]]
+        entry = {"converted": _ci(r["perplexity"], r.get("perplexity_ci95")), "original": _ci(o["perplexity"], o.get("perplexity_ci95")),
+                 "ratio": _ci(r["perplexity"] / o["perplexity"], paired_ratio_ci(r, o, s.cfg.seed))}
         # the window-only row with the same training budget, next to the features
         b = next((x for x in s.rows if x["variant"] == s.baseline and x["context"] == r["context"]), None) if s.baseline else None
         if b is not None:
-            entry["window_only"] = b["perplexity"]
-        s.metrics[f"perplexity @{r['context']} ({r['eval_tokens']} held-out tokens)"] = entry
+            entry["window_only"] = _ci(b["perplexity"], b.get("perplexity_ci95"))
+        s.metrics[f"perplexity @{r['context']} ({r['eval_tokens']} held-out tokens, {r.get('windows', 1)} windows)"] = entry
+    _long_range_metrics(s)
+
+
+def _ci(value: float, ci95: list[float] | None) -> dict:
+    """A model-card figure with its 95% interval (:func:`hf_rfa.hub.model_card.is_interval`)."""
+    return {"value": value, "ci95": ci95}
+
+
+def _long_range_metrics(s: State) -> None:
+    """Model-card metrics of the long-range tasks: the final variant's copy and passkey figures next
+    to the original's and the window-only baseline's (where measured), with their intervals."""
+    lr = {e["variant"]: e for e in s.report.get("long_range", [])}
+    final = lr.get(s.final)
+    if final is None:
+        return
+    cols = [("converted", final), ("original", lr.get(ORIGINAL)), ("window_only", lr.get(s.baseline) if s.baseline else None)]
+    for gap, c in final["copy"].items():
+        entry = {k: _ci(e["copy"][gap]["second"], e["copy"][gap].get("second_ci95")) for k, e in cols if e and gap in e["copy"]}
+        s.metrics[f"copy @gap {gap} (second-copy perplexity, {c['draws']} draws)"] = entry
+    pk = final.get("passkey")
+    for n in (pk or {}).get("mean", {}):
+        entry = {k: _ci(e["passkey"]["mean"][n], (e["passkey"].get("mean_ci95") or {}).get(n)) for k, e in cols
+                 if e and e.get("passkey") and n in e["passkey"]["mean"]}
+        s.metrics[f"passkey @{n} (exact match, {pk['trials']} trials x {len(pk['depths'])} depths)"] = entry
 
 
 def encoder_metrics(s: State) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import evaluation, long_range
+from ..intervals import fmt
 from . import calibration, transfer
 from ...config import CONFIG_ATTR, RFAConfig
 from .config import ConversionConfig
@@ -85,9 +86,13 @@ def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> No
         twin = ctx <= cfg.eval_twin_max and getattr(model.config, CONFIG_ATTR, None) is not None
         transfer.register_train()
         with calibration.attn_implementation(model, transfer.TRAIN_NAME) if twin else nullcontext():
-            r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name)
-        s.rows.append({"variant": name, "context": ctx, "perplexity": r["perplexity"], "eval_tokens": r["tokens"], "op": "op (autograd form)" if twin else "chunked op"})
-        logger.info("%s @%d: perplexity %.2f (%d tokens)", name, ctx, r["perplexity"], r["tokens"])
+            r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name, seed=cfg.seed)
+        s.rows.append({
+            "variant": name, "context": ctx, "perplexity": r["perplexity"], "perplexity_ci95": r["ci95"], "eval_tokens": r["tokens"],
+            "windows": r["windows"], "window_nll": r["window_nll"], "window_tokens": r["window_tokens"],
+            "op": "op (autograd form)" if twin else "chunked op",
+        })
+        logger.info("%s @%d: perplexity %s (%d tokens, %d windows)", name, ctx, fmt(r["perplexity"], r["ci95"]), r["tokens"], r["windows"])
 
 
 def classifier_scores(result: dict) -> dict:
@@ -122,7 +127,7 @@ def _long_range(s: State, model: nn.Module, name: str, passkey: bool) -> None:
         r = long_range.copy_task(model, s.ids["eval"], gap=gap, draws=cfg.copy_draws, seed=cfg.seed, progress=cfg.progress)
         r.pop("per_draw")
         entry["copy"][str(gap)] = r
-        logger.info("%s copy @gap %d: second copy %.2f (first %.2f)", name, gap, r["second"], r["first"])
+        logger.info("%s copy @gap %d: second copy %s (first %.2f)", name, gap, fmt(r["second"], r["second_ci95"]), r["first"])
     if passkey and cfg.passkey_lengths:
         entry["passkey"] = long_range.passkey_task(model, s.tok, cfg.passkey_lengths, trials=cfg.passkey_trials, seed=cfg.seed, progress=cfg.progress)
         logger.info("%s passkey: %s", name, entry["passkey"]["mean"])
@@ -132,11 +137,14 @@ def _long_range(s: State, model: nn.Module, name: str, passkey: bool) -> None:
 def rows_markdown(rows: list[dict]) -> str:
     """The printed / ``RESULTS.md`` table of every row."""
     keys = [k for k in ("variant", "context", "perplexity", "cosine_mean", "cosine_min", "accuracy", "f1", "precision", "recall", "eval_tokens", "sentences", "train_tokens", "train_minutes") if any(k in r for r in rows)]
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines = ["| " + " | ".join(k + (" [95% CI]" if k == "perplexity" and any(r.get("perplexity_ci95") for r in rows) else "") for k in keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
         cells = []
         for k in keys:
             v = r.get(k, "")
+            if k == "perplexity" and r.get("perplexity_ci95"):
+                cells.append(fmt(v, r["perplexity_ci95"], ".4g"))
+                continue
             cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
