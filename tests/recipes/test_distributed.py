@@ -51,7 +51,11 @@ def _convert(args: list[str], processes: int) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     """Tiny Llama, hedgehog + decay, attention transfer then LoRA, global batch 2: the feature-map,
-    decay and (merged) LoRA weights within 1e-5, the evaluation figures equal."""
+    decay and (merged) LoRA weights within 1e-5; the evaluation figures equal where the weights are the
+    same (the original, untrained variants) and within 1e-6 relative after training. Training in float32
+    (``--train-autocast off``): under ``auto`` a CPU with bf16 matrix units trains in bf16, whose
+    kernels round a batch of two rows and two batches of one differently (the perplexity after LoRA
+    then differed in its sixth digit on such a CPU)."""
     from safetensors.torch import load_file
 
     tiny_model("llama").save_pretrained(tmp_path / "llama")
@@ -61,14 +65,21 @@ def test_two_processes_equal_one(tmp_path):
     args = ["--model", str(tmp_path / "llama"), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
             "--decay", "16", "--transfer-tokens", "256", "--lora-tokens", "256", "--batch-size", "2", "--context", "32",
             "--eval-contexts", "32", "--eval-tokens", "512", "--error-tokens", "32",
-            "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
+            "--generate-tokens", "0", "--no-progress", "--train-autocast", "off", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
     _convert([*args, "--output", str(tmp_path / "one")], 1)
     _convert([*args, "--output", str(tmp_path / "two")], 2)
     one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
     assert two["processes"] == 2 and "processes" not in one
     for a, b in zip(one["rows"], two["rows"], strict=True):
-        assert a["variant"] == b["variant"] and a["perplexity"] == b["perplexity"] and a["eval_tokens"] == b["eval_tokens"]
-        assert a["window_nll"] == b["window_nll"] and a["perplexity_ci95"] == b["perplexity_ci95"]  # windows gathered in order
+        assert a["variant"] == b["variant"] and a["eval_tokens"] == b["eval_tokens"] and a["window_tokens"] == b["window_tokens"]
+        if a["variant"].startswith("original") or "untrained" in a["variant"]:
+            # the same weights in both runs: the sharded evaluation, gathered in window order, is exact
+            assert a["perplexity"] == b["perplexity"] and a["window_nll"] == b["window_nll"] and a["perplexity_ci95"] == b["perplexity_ci95"]
+        else:
+            # trained weights agree within 1e-5, not bit for bit (the gradient of a two-row batch and the
+            # average of two one-row gradients add in another order): figures within 1e-6 relative
+            assert b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-6, abs=0)
+            assert b["window_nll"] == pytest.approx(a["window_nll"], rel=1e-6, abs=0)
     for stage in ("transfer", "lora"):
         assert one["stages"][stage]["tokens"] == two["stages"][stage]["tokens"] and one["stages"][stage]["steps"] == two["stages"][stage]["steps"]
     w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
