@@ -100,3 +100,22 @@ def test_the_baseline_copy_is_planned_exactly_when_the_window_only_baseline_runs
     assert ("baseline copy" in p.parts["lora"]) == runs
     if runs:
         assert p.parts["lora"]["baseline copy"] == p.parts["lora"]["weights"]
+
+
+def test_autocast_training_of_float32_weights_plans_the_low_precision_weight_copy(tiny_llama):
+    """Under bf16 autocast, float32 weights' matmuls keep a bf16 copy of each weight for the backward
+    (a --quick SmolLM2 run on a CPU with bf16 units peaked 0.65 GiB above a plan without it): the LoRA
+    stage counts it, and activations at 4 bytes; float32 training and bf16 weights have no such copy."""
+    frozen = memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0).counts["frozen"]
+    auto = memory_plan.plan(_cfg(tiny_llama, train_autocast="bf16"), runtime_bytes=0)
+    off = memory_plan.plan(_cfg(tiny_llama, train_autocast="off"), runtime_bytes=0)
+    bf16 = memory_plan.plan(_cfg(tiny_llama, dtype="bfloat16", train_autocast="bf16"), runtime_bytes=0)
+    assert auto.parts["lora"]["autocast copy"] == 2 * frozen
+    assert "autocast copy" not in off.parts["lora"] and "autocast copy" not in bf16.parts["lora"]
+    assert auto.parts["lora"]["activations"] == off.parts["lora"]["activations"]
+    from hf_rfa.recipes.conversion import devices
+
+    if devices.training_autocast("bf16", torch.device("cpu"), torch.bfloat16) is not None:  # bf16 matrix units: bf16 compute
+        assert bf16.parts["lora"]["activations"] < off.parts["lora"]["activations"]
+    else:  # bf16 storage, float32 compute: float32 activations
+        assert bf16.parts["lora"]["activations"] == off.parts["lora"]["activations"]

@@ -15,6 +15,10 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   cache at the longest evaluation context;
 - **upcast copy**: on a CPU without bf16 matrix hardware, low-precision weights are multiplied
   in float32 one layer at a time (:func:`.devices.float32_compute`): the largest weight's copy;
+- **autocast copy**: float32 weights trained under bf16 autocast (``train_autocast``: CUDA, CPUs
+  with bf16 matrix units) keep each matmul's bf16 weight for the backward: a bf16 copy of the
+  frozen weights in the LoRA stage; activations are counted at 4 bytes then (only the matmuls'
+  outputs are bf16), at 2 with bf16 / float16 weights;
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
   transformers); on CUDA, an allowance for the CUDA context.
 
@@ -175,8 +179,10 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     device = devices.check_device(cfg.device, available=not cfg.dry_run)
     wdtype = cfg.torch_dtype
     wb = torch.finfo(wdtype).bits // 8
-    act_dtype = devices.training_autocast(cfg.train_autocast, device, wdtype) or torch.float32
-    ab = torch.finfo(act_dtype).bits // 8
+    autocast = devices.training_autocast(cfg.train_autocast, device, wdtype)
+    # float32 weights under autocast: the matmuls' outputs are low precision but the residual stream,
+    # norms and losses stay float32, so activations are counted at 4 bytes; low-precision weights: 2
+    ab = torch.finfo(wdtype if wdtype in (torch.bfloat16, torch.float16) and autocast is not None else torch.float32).bits // 8
     config = load_config(cfg.model)
     model, p_orig = meta_model(config, cfg)
     layers = rfa_layers(model)
@@ -200,6 +206,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
         out.parts["transfer"] = {**base, **_transfer(cfg, g, b, n, ab, feat, p_train, len(layers))}
     if p_lora and config_is_causal(config):
         out.parts["lora"] = {**base, **_lora(cfg, g, b, n_lora, ab, feat, p_lora, weights)}
+        if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
+            out.parts["lora"]["autocast copy"] = p_orig * (torch.finfo(autocast).bits // 8) // shard
     out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
     return out
