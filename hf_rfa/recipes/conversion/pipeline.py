@@ -65,7 +65,7 @@ def run(cfg: ConversionConfig) -> dict:
     torch.manual_seed(cfg.seed)
     procs = distributed.processes()  # several under `accelerate launch`: only the main one writes
     distributed.check_batch(cfg.batch_size)
-    distributed.use_fsdp(cfg.fsdp)  # None: the launcher's FSDP setting
+    distributed.use_fsdp(True if cfg.fsdp else None)  # None: the launcher's FSDP setting
     if distributed.fsdp_active() and cfg.device_map is not None:
         raise ValueError("an FSDP launch cannot use --device-map: FSDP shards the model over the processes (drop --device-map)")
     output = Path(cfg.output).resolve()
