@@ -36,8 +36,10 @@ def _free_port() -> int:
 
 def _convert(args: list[str], processes: int, fsdp: bool = False) -> subprocess.CompletedProcess:
     """``conversion/convert.py`` in one process, or under ``accelerate launch`` on 2 CPU processes
-    over gloo (``fsdp``: launched as an FSDP run, ``--use_fsdp --fsdp_version 2``, which sets
-    ``ACCELERATE_USE_FSDP`` as an FSDP config file does)."""
+    over gloo (``fsdp``: launched as an FSDP run with the shipped FSDP configs' settings,
+    ``--use_fsdp --fsdp_version 2 --fsdp_cpu_ram_efficient_loading true``, which set
+    ``ACCELERATE_USE_FSDP`` as ``training/configs/fsdp_*.yaml`` do: every process still loads the
+    whole checkpoint itself)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("ACCELERATE_USE_FSDP", None)
     script = os.path.join(ROOT, "conversion", "convert.py")
@@ -45,7 +47,7 @@ def _convert(args: list[str], processes: int, fsdp: bool = False) -> subprocess.
         cmd = [sys.executable, script, *args]
     else:
         env["ACCELERATE_USE_CPU"] = "1"
-        mode = ["--use_fsdp", "--fsdp_version", "2"] if fsdp else ["--multi_gpu"]
+        mode = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_cpu_ram_efficient_loading", "true"] if fsdp else ["--multi_gpu"]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(processes), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), script, *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
