@@ -68,6 +68,8 @@ def run(cfg: ConversionConfig) -> dict:
     distributed.use_fsdp(True if cfg.fsdp else None)  # None: the launcher's FSDP setting
     if distributed.fsdp_active() and cfg.device_map is not None:
         raise ValueError("an FSDP launch cannot use --device-map: FSDP shards the model over the processes (drop --device-map)")
+    if cfg.fsdp and procs.world == 1:
+        logger.warning("--fsdp in one process: nothing to shard over (launch several with accelerate launch or torchrun)")
     output = Path(cfg.output).resolve()
     if not procs.is_main:
         checks.check_inputs(cfg)
