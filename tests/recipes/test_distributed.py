@@ -34,57 +34,151 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _convert(args: list[str], processes: int) -> subprocess.CompletedProcess:
+def _convert(args: list[str], processes: int, fsdp: bool = False) -> subprocess.CompletedProcess:
+    """``conversion/convert.py`` in one process, or under ``accelerate launch`` on 2 CPU processes
+    over gloo (``fsdp``: launched as an FSDP run with the shipped FSDP configs' settings,
+    ``--use_fsdp --fsdp_version 2 --fsdp_cpu_ram_efficient_loading true``, which set
+    ``ACCELERATE_USE_FSDP`` as ``training/configs/fsdp_*.yaml`` do: every process still loads the
+    whole checkpoint itself)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("ACCELERATE_USE_FSDP", None)
     script = os.path.join(ROOT, "conversion", "convert.py")
     if processes == 1:
         cmd = [sys.executable, script, *args]
     else:
         env["ACCELERATE_USE_CPU"] = "1"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+        mode = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_cpu_ram_efficient_loading", "true"] if fsdp else ["--multi_gpu"]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(processes), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), script, *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
 
-@pytest.mark.slow
-def test_two_processes_equal_one(tmp_path):
-    """Tiny Llama, hedgehog + decay, attention transfer then LoRA, global batch 2: the feature-map,
-    decay and (merged) LoRA weights within 1e-5; the evaluation figures equal where the weights are the
-    same (the original, untrained variants) and within 1e-6 relative after training. Training in float32
-    (``--train-autocast off``): under ``auto`` a CPU with bf16 matrix units trains in bf16, whose
-    kernels round a batch of two rows and two batches of one differently (the perplexity after LoRA
-    then differed in its sixth digit on such a CPU)."""
-    from safetensors.torch import load_file
-
+def _tiny_llama(tmp_path) -> str:
     tiny_model("llama").save_pretrained(tmp_path / "llama")
     _tokenizer().save_pretrained(tmp_path / "llama")
+    return str(tmp_path / "llama")
+
+
+@pytest.mark.slow
+def test_two_processes_with_and_without_fsdp_equal_one(tmp_path):
+    """Tiny Llama, hedgehog + decay, attention transfer then LoRA, global batch 2, float32 training
+    (``--train-autocast off``: on a CPU with bf16 matrix hardware ``auto`` trains under bf16
+    autocast, where splitting a batch changes the rounding): one process, two processes (rows split,
+    gradients all-reduced) and two processes under FSDP (the training stages sharded, gradients
+    reduce-scattered) give feature-map, decay and (merged) LoRA weights within 1e-5, evaluation figures
+    equal where the weights are the same and within 1e-6 relative after training; under FSDP each process stored half of the parameters while it trained."""
+    from safetensors.torch import load_file
+
     (tmp_path / "cal.txt").write_text(_text(2000, 0))
     (tmp_path / "eval.txt").write_text(_text(2000, 1))
-    args = ["--model", str(tmp_path / "llama"), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
+    args = ["--model", _tiny_llama(tmp_path), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
             "--decay", "16", "--transfer-tokens", "256", "--lora-tokens", "256", "--batch-size", "2", "--context", "32",
-            "--eval-contexts", "32", "--eval-tokens", "512", "--error-tokens", "32",
-            "--generate-tokens", "0", "--no-progress", "--train-autocast", "off", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
+            "--eval-contexts", "32", "--eval-tokens", "512", "--error-tokens", "32", "--train-autocast", "off",
+            "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
     _convert([*args, "--output", str(tmp_path / "one")], 1)
     _convert([*args, "--output", str(tmp_path / "two")], 2)
-    one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
-    assert two["processes"] == 2 and "processes" not in one
-    for a, b in zip(one["rows"], two["rows"], strict=True):
-        assert a["variant"] == b["variant"] and a["eval_tokens"] == b["eval_tokens"] and a["window_tokens"] == b["window_tokens"]
-        if a["variant"].startswith("original") or "untrained" in a["variant"]:
-            # the same weights in both runs: the sharded evaluation, gathered in window order, is exact
-            assert a["perplexity"] == b["perplexity"] and a["window_nll"] == b["window_nll"] and a["perplexity_ci95"] == b["perplexity_ci95"]
-        else:
-            # trained weights agree within 1e-5, not bit for bit (the gradient of a two-row batch and the
-            # average of two one-row gradients add in another order): figures within 1e-6 relative
-            assert b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-6, abs=0)
-            assert b["window_nll"] == pytest.approx(a["window_nll"], rel=1e-6, abs=0)
-    for stage in ("transfer", "lora"):
-        assert one["stages"][stage]["tokens"] == two["stages"][stage]["tokens"] and one["stages"][stage]["steps"] == two["stages"][stage]["steps"]
-    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert w1.keys() == w2.keys() and any(".rfa." in k for k in w1)
+    _convert([*args, "--output", str(tmp_path / "fsdp")], 2, fsdp=True)
+    one, two, fsdp = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two", "fsdp"))
+    assert two["processes"] == fsdp["processes"] == 2 and "processes" not in one
+    assert fsdp["fsdp"] is True and "fsdp" not in two
+    w1 = load_file(tmp_path / "one" / "model.safetensors")
+    assert any(".rfa." in k for k in w1)
     trained = [k for k in w1 if ".rfa." in k or "self_attn" in k]
-    for k in trained:
-        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
+    for name, other in (("two", two), ("fsdp", fsdp)):
+        for a, b in zip(one["rows"], other["rows"], strict=True):
+            assert a["variant"] == b["variant"] and a["eval_tokens"] == b["eval_tokens"] and a["window_tokens"] == b["window_tokens"], name
+            if a["variant"].startswith("original") or "untrained" in a["variant"]:
+                # the same weights in every run: the sharded evaluation, gathered in window order, is exact
+                assert (a["perplexity"], a["window_nll"], a["perplexity_ci95"]) == (b["perplexity"], b["window_nll"], b["perplexity_ci95"]), name
+            else:
+                # trained weights agree within 1e-5, not bit for bit (a two-row batch's gradient and the average
+                # of two one-row gradients add in another order): figures within 1e-6 relative
+                assert b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-6, abs=0), name
+                assert b["window_nll"] == pytest.approx(a["window_nll"], rel=1e-6, abs=0), name
+        for stage in ("transfer", "lora"):
+            assert (one["stages"][stage]["tokens"], one["stages"][stage]["steps"]) == (other["stages"][stage]["tokens"], other["stages"][stage]["steps"])
+        w = load_file(tmp_path / name / "model.safetensors")
+        assert w.keys() == w1.keys()  # the same format: full tensors, written once
+        for k in w1:
+            torch.testing.assert_close(w[k], w1[k], rtol=0, atol=1e-5 if k in trained else 0, msg=f"{name}: {k}")
+    for stage in ("transfer", "lora"):
+        s = fsdp["stages"][stage]["fsdp"]
+        assert s["processes"] == 2 and abs(s["local_parameters"] - s["parameters"] / 2) <= 0.05 * s["parameters"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # written once, by the main process
+
+
+_WORKER = """
+import json, os, sys
+import torch
+sys.path.insert(0, {tests!r})
+import hf_rfa
+from hf_rfa.recipes.conversion import calibration, distributed, fsdp
+from tiny_models import tiny_model
+
+m = tiny_model("llama")
+hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, seed=0))
+before = {{k: v.clone() for k, v in m.state_dict().items()}}
+ids = (torch.arange(32).view(1, 32) * 7) % 60 + 2
+ref = calibration.capture(m, ids)
+p = distributed.processes()
+with fsdp.sharded(m) as work:
+    s = fsdp.storage(work)
+    units = sum(fsdp.is_sharded(x) for x in work.modules())
+    plain = sum(q.numel() for q in m.parameters())
+    caps = calibration.capture(work, ids)
+    cap_diff = max((getattr(caps[i], t) - getattr(ref[i], t)).abs().max().item() for i in ref for t in ("q", "k", "v", "out"))
+back = max((v - before[k]).abs().max().item() for k, v in m.state_dict().items())
+out = dict(s, units=units, plain=plain, cap_diff=cap_diff, layers=sorted(caps), back=back)
+open(os.path.join({out!r}, "rank%d.json" % p.rank), "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_weights_and_the_teacher_captures_still_work(tmp_path):
+    """Two CPU processes over gloo: inside :func:`fsdp.sharded` each process stores about half of
+    the parameters (its shards; the plain model's tensors are released), the copy has one FSDP unit
+    per decoder layer plus the root, the teacher capture of the sharded copy equals the plain
+    model's, and on exit the plain model has its full weights back."""
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER.format(tests=os.path.join(ROOT, "tests"), out=str(tmp_path)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(script)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    total = tiny_model("llama").num_parameters()
+    for s in ranks:
+        assert s["processes"] == 2 and s["parameters"] > total  # the converted layers' maps on top
+        assert abs(s["local_parameters"] - s["parameters"] / 2) <= 0.05 * s["parameters"]
+        assert s["plain"] == 0  # the plain model's tensors were released while the copy was sharded
+        assert s["units"] == 2 + 1  # two decoder layers and the root
+        assert s["layers"] == [0, 1] and s["cap_diff"] == 0.0
+        assert s["back"] == 0.0
+    assert ranks[0]["local_parameters"] + ranks[1]["local_parameters"] == ranks[0]["parameters"]
+
+
+def test_fsdp_follows_the_launcher_and_the_flag(monkeypatch):
+    """FSDP is asked for by ``accelerate launch`` with an FSDP config (``ACCELERATE_USE_FSDP``) or
+    by ``--fsdp``; it is active only with several processes; it cannot combine with a device map."""
+    from hf_rfa.recipes.conversion.config import ConversionConfig
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    try:
+        distributed.use_fsdp(None)
+        assert not distributed.fsdp_requested()
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+        assert distributed.fsdp_requested() and not distributed.fsdp_active()  # one process: nothing to shard over
+        monkeypatch.delenv("ACCELERATE_USE_FSDP")
+        distributed.use_fsdp(True)
+        assert distributed.fsdp_requested()
+    finally:
+        distributed.use_fsdp(None)
+    from hf_rfa.cli import config_from_args
+
+    base = ["--model", "m", "--output", "o", "--calibration-text", "c", "--eval-text", "e"]
+    assert config_from_args([*base, "--fsdp"]).fsdp is True and config_from_args(base).fsdp is False
+    with pytest.raises(ValueError, match="device_map"):
+        ConversionConfig(model="m", fsdp=True, device_map="auto")

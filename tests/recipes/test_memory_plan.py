@@ -55,8 +55,37 @@ def test_processes_split_the_batch_and_fsdp_the_weights(tiny_llama):
     one = memory_plan.plan(_cfg(tiny_llama, batch_size=4), processes=1, runtime_bytes=0)
     ddp = memory_plan.plan(_cfg(tiny_llama, batch_size=4), processes=2, runtime_bytes=0)
     fsdp = memory_plan.plan(_cfg(tiny_llama, batch_size=4), processes=2, sharding="fsdp", runtime_bytes=0)
-    assert ddp.parts["eval"]["weights"] == one.parts["eval"]["weights"] == 2 * fsdp.parts["eval"]["weights"]
     assert ddp.parts["lora"]["activations"] < one.parts["lora"]["activations"]
+    # FSDP: the training stages hold 1/N of the weights, gradients and optimizer state, plus the
+    # units gathered at once (the root's own tensors and two decoder layers); evaluation runs on
+    # the gathered model (full weights)
+    w = one.parts["eval"]["weights"]
+    assert ddp.parts["eval"]["weights"] == fsdp.parts["eval"]["weights"] == w
+    real = tiny_model("llama")
+    layer = sum(p.numel() for p in real.model.layers[0].parameters())
+    root = real.num_parameters() - sum(p.numel() for p in real.model.layers.parameters())
+    for stage in ("transfer", "lora"):
+        assert ddp.parts[stage]["weights"] == w and "gathered units" not in ddp.parts[stage]
+        assert fsdp.parts[stage]["weights"] == w // 2
+        maps = fsdp.counts["feature maps"] // real.config.num_hidden_layers  # a layer's maps are in its unit
+        assert fsdp.parts[stage]["gathered units"] == 4 * (root + 2 * (layer + maps))
+        assert fsdp.parts[stage]["optimizer"] == ddp.parts[stage]["optimizer"] // 2
+    assert fsdp.sharding == "fsdp" and ddp.sharding == "ddp"
+
+
+def test_the_plan_follows_an_fsdp_launch(tiny_llama, monkeypatch):
+    """Under ``accelerate launch`` with an FSDP config (``ACCELERATE_USE_FSDP``) or with
+    ``--fsdp``, several processes plan the FSDP weights; one process has nothing to shard."""
+    from hf_rfa.recipes.conversion import distributed
+
+    distributed.use_fsdp(None)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert memory_plan.plan(_cfg(tiny_llama, batch_size=2), processes=2, runtime_bytes=0).sharding == "ddp"
+    assert memory_plan.plan(_cfg(tiny_llama, batch_size=2, fsdp=True), processes=2, runtime_bytes=0).sharding == "fsdp"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    p = memory_plan.plan(_cfg(tiny_llama, batch_size=2), processes=2, runtime_bytes=0)
+    assert p.sharding == "fsdp" and "(fsdp)" in p.markdown()
+    assert memory_plan.plan(_cfg(tiny_llama), processes=1, runtime_bytes=0).sharding == "none"
 
 
 def test_a_plan_that_does_not_fit_is_refused_with_the_numbers(tiny_llama):

@@ -151,7 +151,13 @@ def capture(
     ``input_ids [B, N]``; ``attention_mask [B, N]`` (1 = real token) or None; ``position_ids
     [B, N]`` or None (the model's default positions); ``layers``: capture only these layer indices
     (the forward stops after the last of them: layer-by-layer transfer holds one layer's tensors).
+
+    An FSDP-sharded ``model`` (:mod:`.fsdp`): the forward goes through the root unit (which
+    gathers the embeddings; the logits of the last position only) and runs to its end, so that
+    every unit's all-gather and release pair up in every process.
     """
+    from .fsdp import is_sharded
+
     register_capture()
     index = {id(m): idx for _, m, idx in find_attention_modules(model) if layers is None or idx in layers}
     if not index:
@@ -163,11 +169,15 @@ def capture(
     attention_mask = None if attention_mask is None else attention_mask.to(dev)
     position_ids = None if position_ids is None else position_ids.to(dev)
     captures: dict[int, Captured] = {}
-    _STORE.append({"index": index, "captures": captures, "stop": max(index.values()) if layers is not None else None})
+    sharded = is_sharded(model)
+    _STORE.append({"index": index, "captures": captures, "stop": max(index.values()) if layers is not None and not sharded else None})
     try:
         with attn_implementation(model, CAPTURE_NAME):
-            base = getattr(model, "base_model", model)  # no LM head: logits are not needed
-            kwargs = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
+            base = model if sharded else getattr(model, "base_model", model)  # no LM head: logits are not needed
+            params = inspect.signature(base.forward).parameters
+            kwargs = {"use_cache": False} if "use_cache" in params else {}
+            if sharded and "logits_to_keep" in params:
+                kwargs["logits_to_keep"] = 1
             if position_ids is not None:
                 kwargs["position_ids"] = position_ids
             try:

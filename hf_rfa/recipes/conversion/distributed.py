@@ -15,8 +15,11 @@ whole conversion, and
   window order (:func:`gather_window_sums`): the figures equal one process's;
 - only the main process writes the output folder (``pipeline.run``); the others wait for it.
 
-The other stages (per-layer errors, long-range tasks, generation sample) are cheap next to
-training and run the same in every process. One process (no ``WORLD_SIZE`` > 1 in the environment)
+With FSDP (:func:`fsdp_active`: ``accelerate launch`` with an FSDP config, i.e.
+``ACCELERATE_USE_FSDP=true`` in the environment, or ``--fsdp``), the training stages shard their
+model instead (:mod:`.fsdp`) and FSDP reduce-scatters the gradients: :func:`all_reduce_grads` is
+not called there. The other stages (per-layer errors, long-range tasks, generation sample) are
+cheap next to training and run the same in every process. One process (no ``WORLD_SIZE`` > 1 in the environment)
 never touches ``torch.distributed``: everything here is then a no-op.
 """
 
@@ -66,6 +69,29 @@ def processes() -> Processes:
         p = Processes(s.process_index, s.num_processes, s.device)
     _STATE.append(p)
     return p
+
+
+_FSDP: list[bool | None] = [None]
+
+
+def use_fsdp(flag: bool | None) -> None:
+    """Shard the training stages with FSDP: True / False, or None to follow the launcher
+    (``ACCELERATE_USE_FSDP``, set by ``accelerate launch`` with an FSDP config or ``--use_fsdp``)."""
+    _FSDP[0] = flag
+
+
+def fsdp_requested() -> bool:
+    """Whether FSDP was asked for (:func:`use_fsdp`, else Accelerate's environment)."""
+    if _FSDP[0] is not None:
+        return bool(_FSDP[0])
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_FSDP")
+
+
+def fsdp_active() -> bool:
+    """Whether the training stages shard (:mod:`.fsdp`): FSDP asked for and more than one process."""
+    return fsdp_requested() and processes().world > 1
 
 
 def _dist():
@@ -147,4 +173,7 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-__all__ = ["Processes", "all_reduce_grads", "barrier", "check_batch", "gather_window_sums", "global_tokens", "processes", "shard", "window_indices"]
+__all__ = [
+    "Processes", "all_reduce_grads", "barrier", "check_batch", "fsdp_active", "fsdp_requested", "gather_window_sums", "global_tokens", "processes", "shard",
+    "use_fsdp", "window_indices",
+]

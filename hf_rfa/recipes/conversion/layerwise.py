@@ -8,7 +8,9 @@ seeded batch stream: the teacher's forward runs only up to that layer (it stops 
 map trains. Each layer's loss depends only on its own map and Adam updates every tensor on its own,
 and each layer's loss is divided by the number of layers as in the all-layers form: the maps come
 out the same as the all-layers form's (same data order, seed and schedule), for L teacher forwards
-(of growing depth) per batch instead of one.
+(of growing depth) per batch instead of one. Under FSDP (:mod:`.fsdp`) each layer's pass trains a
+sharded copy of its own and its teacher forwards run through every layer (a sharded model's forward
+is not cut short: every process must gather and release the same units).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def attention_transfer_layerwise(
         out.steps += r.steps
         out.losses = [a + b for a, b in zip(out.losses, r.losses)] if out.losses else list(r.losses)
         out.autocast = r.autocast
+        out.sharding = r.sharding  # under FSDP: what a process stored while a layer's map trained
         logger.info("layer-by-layer transfer: layer %d done (%d steps, mse %.3g -> %.3g)", i, r.steps, r.losses[0], r.losses[-1])
     out.seconds = time.perf_counter() - start
     return out

@@ -3,10 +3,14 @@
 :func:`plan` builds the model on the meta device (``accelerate.init_empty_weights``: no weight is
 read or allocated), converts it there to count the feature-map tensors, and adds up, per process:
 
-- **weights**: the frozen weights in ``dtype`` plus the converted layers' tensors in float32 (with
-  FSDP: divided over the processes); a second copy while a window-only baseline trains its own LoRA;
+- **weights**: the frozen weights in ``dtype`` plus the converted layers' tensors in float32; a
+  second copy while a window-only baseline trains its own LoRA. With FSDP (:mod:`.fsdp`) the
+  training stages hold 1/N of them (N processes) plus the **gathered units**: the root unit's own
+  tensors (embeddings, final norm, output head; gathered for the whole forward) and two decoder
+  layers (the one running and the one prefetched); evaluation runs on the gathered model (full
+  weights); the window-only baseline's LoRA shards its copy while the model itself stays whole;
 - **gradients and optimizer state** of what each stage trains (Adam: two float32 moments): the
-  feature maps in attention transfer, the LoRA adapters in the LoRA stage;
+  feature maps in attention transfer, the LoRA adapters in the LoRA stage (with FSDP: 1/N);
 - **activations** per stage: attention transfer holds each layer's captured q, k, v and softmax
   output (all layers at once, or one with ``transfer_layerwise``) and one layer's training graph;
   LoRA holds the model's saved activations for the backward and the float32 logits of the loss;
@@ -165,15 +169,17 @@ def _lora_params(model: nn.Module, r: int) -> int:
 # --------------------------------------------------------------------------- the plan
 def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` per process (see the module docstring). ``processes``: default
-    ``WORLD_SIZE`` (1); ``sharding``: ``ddp`` (every process a full copy: what the conversion does
-    under ``accelerate launch``, :mod:`.distributed`) or ``fsdp`` (weights split over the processes,
-    as the training recipes do with ``training/configs/fsdp_*.yaml``); ``runtime_bytes``: the process's own memory (default:
-    its resident memory now on the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA)."""
-    from . import devices
+    ``WORLD_SIZE`` (1); ``sharding``: ``ddp`` (every process a full copy, :mod:`.distributed`) or
+    ``fsdp`` (the training stages sharded over the processes, :mod:`.fsdp`); default: ``fsdp`` with
+    several processes when ``cfg.fsdp`` or the launcher asks for FSDP (``ACCELERATE_USE_FSDP``),
+    else ``ddp``; ``runtime_bytes``: the process's own memory (default: its resident memory now on
+    the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA)."""
+    from . import devices, distributed
     from .calibration import rfa_layers
 
     processes = int(processes or os.environ.get("WORLD_SIZE", "1"))
-    sharding = sharding or ("ddp" if processes > 1 else "none")
+    if sharding is None:
+        sharding = "none" if processes == 1 else "fsdp" if cfg.fsdp or distributed.fsdp_requested() else "ddp"
     if sharding not in ("none", "ddp", "fsdp"):
         raise ValueError(f"sharding must be one of ['none', 'ddp', 'fsdp'], got {sharding!r}")
     device = devices.check_device(cfg.device, available=not cfg.dry_run)
@@ -193,7 +199,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     feat = first.feature_map.feature_dim if cfg.rfa.feature_map != "none" else 0
     g = _dims(config)
     shard = processes if sharding == "fsdp" else 1
-    weights = (p_orig * wb + p_rfa * 4) // shard
+    weights = p_orig * wb + p_rfa * 4
     runtime = runtime_bytes if runtime_bytes is not None else (CUDA_CONTEXT_BYTES if device.type == "cuda" else _rss_now())
     b = max(1, math.ceil(cfg.batch_size / processes))
     n, n_lora = cfg.context, cfg.lora_context or cfg.context
@@ -202,15 +208,30 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     base = {"runtime": runtime, "weights": weights}
     if devices.needs_float32_compute(device, wdtype):  # bf16 storage, float32 matmuls: one weight's float32 copy at a time
         base["upcast copy"] = 4 * max(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    train = base if shard == 1 else {**base, "weights": weights // shard, "gathered units": _gathered(model, p_orig + p_rfa, wb)}
     if p_train and cfg.transfer_tokens > 0:
-        out.parts["transfer"] = {**base, **_transfer(cfg, g, b, n, ab, feat, p_train, len(layers))}
+        out.parts["transfer"] = {**train, **_sharded(_transfer(cfg, g, b, n, ab, feat, p_train, len(layers)), shard)}
     if p_lora and config_is_causal(config):
-        out.parts["lora"] = {**base, **_lora(cfg, g, b, n_lora, ab, feat, p_lora, weights)}
+        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, weights), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
-            out.parts["lora"]["autocast copy"] = p_orig * (torch.finfo(autocast).bits // 8) // shard
+            out.parts["lora"]["autocast copy"] = p_orig * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
     return out
+
+
+def _gathered(model: nn.Module, total: int, wb: int) -> int:
+    """FSDP: the bytes of the units gathered at once in a training forward: the root's own tensors
+    (all but the decoder layers') and two decoder layers (the running one, the prefetched one)."""
+    from .fsdp import decoder_layers
+
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    return (max(total - sum(sizes), 0) + 2 * max(sizes, default=0)) * wb
+
+
+def _sharded(parts: dict[str, int], shard: int) -> dict[str, int]:
+    """FSDP shards gradients and optimizer state too (1/N of each)."""
+    return {k: v // shard if k in ("gradients", "optimizer") else v for k, v in parts.items()}
 
 
 def config_is_causal(config) -> bool:
@@ -235,7 +256,7 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, weights) -> dict[str, int]:
     logits = b * n * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
     parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": g["L"] * per_layer + logits}
     if cfg.evaluates_window_only and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
-        parts["baseline copy"] = weights  # the window-only baseline trains its LoRA on a copy of the model
+        parts["baseline copy"] = weights  # the window-only baseline trains its LoRA on a copy of the model (FSDP: the copy sharded, the model whole)
     return parts
 
 

@@ -65,6 +65,11 @@ def run(cfg: ConversionConfig) -> dict:
     torch.manual_seed(cfg.seed)
     procs = distributed.processes()  # several under `accelerate launch`: only the main one writes
     distributed.check_batch(cfg.batch_size)
+    distributed.use_fsdp(True if cfg.fsdp else None)  # None: the launcher's FSDP setting
+    if distributed.fsdp_active() and cfg.device_map is not None:
+        raise ValueError("an FSDP launch cannot use --device-map: FSDP shards the model over the processes (drop --device-map)")
+    if cfg.fsdp and procs.world == 1:
+        logger.warning("--fsdp in one process: nothing to shard over (launch several with accelerate launch or torchrun)")
     output = Path(cfg.output).resolve()
     if not procs.is_main:
         checks.check_inputs(cfg)
@@ -135,6 +140,8 @@ def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
         report["warnings"] = warnings
     if procs.world > 1:
         report["processes"] = procs.world
+        if distributed.fsdp_active():
+            report["fsdp"] = True  # the training stages sharded (.fsdp)
     state = run_stages(State(cfg=cfg, model=model, tok=tok, kind=kind, report=report))
     if tmp is None:
         return report

@@ -13,37 +13,40 @@ back-propagated at once, so without block recomputation, ``checkpoint_blocks=Fal
 short contexts (:data:`TWIN_MAX_KEYS`), where the quadratic twin measured faster; LoRA runs the
 op with the layer's own settings. ``benchmarks/transfer_forms.py`` measures both forms.
 
-Before training, :func:`init_mixing` sets each head's ``mix`` in closed form so that the feature
-part carries, on the first batch, the same (log-)mass as softmax puts on the keys outside the
-exact window and sinks.
+Before training, :func:`init_mixing` (:mod:`.mixing`) sets each head's ``mix`` in closed form so
+that the feature part carries, on the first batch, the same (log-)mass as softmax puts on the keys
+outside the exact window and sinks.
 
-:func:`lora_finetune` then trains LoRA adapters (``hf_rfa.recipes.training.peft_utils.lora_config``) on
-next-token loss and merges them, returning a plain converted model.
+:func:`lora_finetune` (:mod:`.lora`) then trains LoRA adapters on next-token loss and merges them.
+
+Several processes (:mod:`.distributed`): each takes its rows of every global batch and the
+gradients are averaged before each step; under FSDP (:mod:`.fsdp`) the stage trains a sharded
+working copy of the model instead, each trained layer's map its own FSDP unit whose gradients
+FSDP reduce-scatters, and the trained values are gathered back into ``model`` at the end.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from . import distributed, precision
+from . import distributed, fsdp, precision
+from .budget import BudgetNotReached, TransferResult, check_limit
+from .calibration import Captured, capture, feature_inputs, rfa_layers, rfa_output
 from .devices import input_device, to_device
-from ...hf.loading import is_converted
-from .calibration import Captured, attn_implementation, capture, feature_inputs, rfa_layers, rfa_output
-from ...ops.backends import training_backend
-from ...ops.masks import NEG, key_mask_bool, sink_mask
+from .lora import TRAIN_NAME, lora_finetune, register_train
+from .mixing import init_mixing
 from ...ops.reference import quadratic_kernel_attention
 
 logger = logging.getLogger(__name__)
 
-TRAIN_NAME = "hf_rfa_train"
 #: The one rule for the form of attention transfer's layer outputs: the quadratic twin
 #: (``quadratic_kernel_attention``, N×N per head) up to this many keys, the op's autograd form
 #: above. Measured by ``benchmarks/transfer_forms.py`` (one thread; hedgehog m=64, H=9, Hkv=3,
@@ -52,43 +55,6 @@ TRAIN_NAME = "hf_rfa_train"
 #: (window 64): twin 12.8, op 8.5; 256 / 256: twin 34.3, op 12.7; 1024 / 256 (the main job):
 #: twin 132, op 22 (an older op, which padded the queries: 256 / 64 twin 51, op 85 ms).
 TWIN_MAX_KEYS = 128
-
-
-@dataclass
-class TransferResult:
-    """What a training stage did: tokens seen, optimiser steps, wall seconds, loss history."""
-
-    tokens: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    losses: list[float] = field(default_factory=list)
-    autocast: str | None = None  # "bf16" when the stage ran under autocast (precision.dtype_name)
-
-    def as_dict(self) -> dict:
-        first = self.losses[0] if self.losses else None
-        last = self.losses[-1] if self.losses else None
-        out = {"tokens": self.tokens, "steps": self.steps, "minutes": self.seconds / 60, "loss_first": first, "loss_last": last}
-        if self.autocast is not None:
-            out["autocast"] = self.autocast
-        return out
-
-
-class BudgetNotReached(RuntimeError):
-    """A training stage hit its wall-clock safety limit before its token budget.
-
-    Budgets are counted in tokens so that a run's figures do not depend on how fast (or busy) the
-    machine was; the wall-clock limit only guards against a run that would never end, and fails
-    loudly instead of silently training less.
-    """
-
-
-def _check_limit(stage: str, res: "TransferResult", tokens: int, start: float, max_seconds: float | None) -> None:
-    if max_seconds is not None and res.tokens < tokens and time.perf_counter() - start >= max_seconds:
-        raise BudgetNotReached(
-            f"{stage} hit its safety limit of {max_seconds / 60:.1f} min after {res.tokens} of {tokens} tokens "
-            f"({res.steps} steps); the budget is in tokens so that results do not depend on machine speed: "
-            f"raise the limit (--{stage.split()[0].lower()}-minutes) or lower the token budget"
-        )
 
 
 def transfer_output(rfa: nn.Module, cap: Captured, twin_max_keys: int = TWIN_MAX_KEYS) -> torch.Tensor:
@@ -109,70 +75,6 @@ def transfer_output(rfa: nn.Module, cap: Captured, twin_max_keys: int = TWIN_MAX
 def rfa_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Trainable tensors of every converted layer's feature map (W, mix, ...)."""
     return [p for rfa in rfa_layers(model).values() for p in rfa.parameters()]
-
-
-def _regions(cap: Captured, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exact, far) bool masks ``[B, 1, N, N]``: keys answered exactly / by the features."""
-    b, n, dev = cap.q.shape[0], cap.k.shape[2], cap.q.device
-    t = torch.arange(n, device=dev).view(-1, 1)
-    s = torch.arange(n, device=dev).view(1, -1)
-    visible = (s <= t) if cap.causal else torch.ones(n, n, dtype=torch.bool, device=dev)
-    visible = visible.view(1, 1, n, n)
-    km = key_mask_bool(cap.mask, b, n, cap.q.device)
-    if km is not None:
-        visible = visible & km.view(b, 1, 1, n)
-    exact = torch.zeros(1, 1, n, n, dtype=torch.bool, device=dev)
-    if window > 0:
-        exact = (((s <= t) & (s > t - window)) if cap.causal else ((s - t).abs() < window)).view(1, 1, n, n)
-    if sinks > 0:
-        exact = exact | sink_mask(km, b, n, sinks, cap.q.device).view(b, 1, 1, n)
-    exact = exact & visible
-    return exact, visible & ~exact
-
-
-@torch.no_grad()
-def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
-    """Closed-form init of each hybrid head's ``mix``: mean over queries of
-    ``log Σ_far exp(q·k·scale) − log Σ_far φ(q)·φ(k)`` (far = keys not in window/sinks; with a
-    ``decay``, each feature term times its decay γ^(t−s)).
-
-    Returns the number of layers initialised (maps without ``hybrid_mix`` are skipped).
-    """
-    done = 0
-    for idx, rfa in rfa_layers(model).items():
-        fm = rfa.feature_map
-        if not getattr(fm, "hybrid_mix", False) or (rfa.window == 0 and rfa.sinks == 0) or idx not in caps:
-            continue
-        cap = caps[idx]
-        b, h, n, d = cap.q.shape
-        g = h // cap.k.shape[1]
-        scale = d**-0.5 if cap.scale is None else cap.scale
-        xq, xk = cap.q.float() * scale**0.5, cap.k.float() * scale**0.5
-        fq, fk = feature_inputs(rfa, cap)
-        xq_f, xk_f = (xq, xk) if fq is None else (fq.float() * scale**0.5, fk.float() * scale**0.5)
-        phi_q = fm.forward_queries(xq_f).phi
-        phi_k = fm.forward_keys(xk_f).phi.repeat_interleave(g, 1)
-        scores = xq @ xk.repeat_interleave(g, 1).transpose(-1, -2)  # [B,H,N,N]
-        _, far = _regions(cap, rfa.window, rfa.sinks)
-        far = far.expand(b, h, n, n)
-        target = torch.logsumexp(torch.where(far, scores, torch.full_like(scores, NEG)), -1)
-        w = phi_q @ phi_k.transpose(-1, -2)
-        rate = getattr(fm, "decay_log_rate", None)
-        if rate is not None:  # a decayed feature state: key s reaches query t with weight γ^(t−s)
-            r = rate.detach().to(w.dtype).exp()
-            r = r.expand(h) if r.numel() == 1 else r.repeat_interleave(h // r.numel())
-            pos = torch.arange(n, device=w.device)
-            dist = (pos.view(-1, 1) - pos.view(1, -1)).clamp_min(0).to(w.dtype)
-            w = w * torch.exp(-r.view(1, h, 1, 1) * dist)
-        feat = torch.log((w * far).sum(-1).clamp_min(1e-30))
-        rows = far.any(-1)  # [B,H,N]
-        diff = torch.where(rows, target - feat, torch.zeros_like(target)).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
-        if fm.mix.numel() == 1:
-            diff = diff.mean().view(1)
-        fm.mix.copy_(diff.to(fm.mix.dtype))
-        done += 1
-    logger.info("initialised the hybrid mix of %d layers from data", done)
-    return done
 
 
 def _masked_mse(pred: torch.Tensor, cap: Captured) -> torch.Tensor:
@@ -241,198 +143,177 @@ def attention_transfer(
         layers: train only these converted layers (the others frozen, their q/k/v not captured);
             each layer's loss is still divided by the number of converted layers, so a run per
             layer gives each map the updates of the all-layers form (:mod:`.layerwise`).
+    Under FSDP (:mod:`.fsdp`) a sharded copy of ``model`` trains and the result comes back into ``model``.
     Returns a :class:`TransferResult` (one loss per step: the mean over layers of the MSE).
     Raises ValueError when the converted layers have nothing to train (random maps), or for an
     unknown ``schedule`` or a ``query_blocks`` that the sequences cannot hold.
     """
-    from tqdm.auto import tqdm
+    _check_settings(schedule, query_blocks, queries, max_position)
+    all_layers = rfa_layers(model)
+    chosen = all_layers if layers is None else {i: r for i, r in all_layers.items() if i in layers}
+    params = [p for r in chosen.values() for p in r.parameters()]
+    if not params:
+        raise ValueError("the converted model's feature maps have no trainable parameters (random maps need no transfer)")
+    plan = _Plan(
+        tokens, lr, schedule, queries, query_blocks, twin_max_keys, max_position, autocast, init_mix, len(all_layers),
+        set(chosen) if len(chosen) < len(all_layers) else None, progress, max_seconds, torch.Generator().manual_seed(int(seed)),
+    )
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    was_training = model.training
+    model.eval()
+    try:
+        res = _train_sharded(model, set(chosen), batches, plan) if distributed.fsdp_active() else _train(model, chosen, batches, plan)
+    finally:
+        for p, rg in frozen:
+            p.requires_grad_(rg)
+        model.train(was_training)
+    logger.info("attention transfer: %d tokens, %d steps, %.1f min, mse %.3g -> %.3g", res.tokens, res.steps, res.seconds / 60, *(res.losses[0], res.losses[-1]))
+    return res
 
+
+def _check_settings(schedule: str, query_blocks, queries: int | None, max_position) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     if isinstance(query_blocks, bool) or not isinstance(query_blocks, int) or query_blocks < 1:
         raise ValueError(f"query_blocks must be an int >= 1, got {query_blocks!r}")
     if query_blocks > 1 and queries is None:
         raise ValueError("query_blocks > 1 needs queries (the size of each block of fitted queries)")
-    all_layers = rfa_layers(model)
-    layers = all_layers if layers is None else {i: r for i, r in all_layers.items() if i in layers}
-    params = [p for r in layers.values() for p in r.parameters()]
-    if not params:
-        raise ValueError("the converted model's feature maps have no trainable parameters (random maps need no transfer)")
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in frozen:
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    n_layers, subset = len(all_layers), (set(layers) if len(layers) < len(all_layers) else None)
-    opt = torch.optim.Adam(params, lr=lr)
-    res = TransferResult()
-    start = time.perf_counter()
-    bar = tqdm(total=tokens, desc="attention transfer", unit="tok", disable=not progress)
-    was_training = model.training
-    gen = torch.Generator().manual_seed(int(seed))
     if max_position is not None and (isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1):
         raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
-    model.eval()
+
+
+@dataclass
+class _Plan:
+    """One attention-transfer run's settings (:func:`attention_transfer`'s arguments) and its
+    position generator; ``sharded``: under FSDP (gradients averaged by FSDP, not here)."""
+
+    tokens: int
+    lr: float
+    schedule: str
+    queries: int | None
+    query_blocks: int
+    twin_max_keys: int
+    max_position: int | None
+    autocast: torch.dtype | None
+    init_mix: bool
+    n_layers: int
+    subset: set[int] | None
+    progress: bool
+    max_seconds: float | None
+    gen: torch.Generator
+    sharded: bool = False
+
+
+def _inputs(ids: torch.Tensor, mask: torch.Tensor | None, device: torch.device, plan: _Plan):
+    """This process's rows of a global batch on ``device`` and their positions (``max_position``:
+    a random offset drawn from the plan's generator; else None)."""
+    ids, mask = distributed.shard(ids, mask)
+    ids, mask = to_device(ids, device), to_device(mask, device)
+    if plan.max_position is None:
+        return ids, mask, None
+    n_ctx = ids.shape[-1]
+    if plan.max_position < n_ctx:
+        raise ValueError(f"max_position ({plan.max_position}) must be at least the context ({n_ctx})")
+    off = int(torch.randint(0, plan.max_position - n_ctx + 1, (1,), generator=plan.gen))
+    return ids, mask, (torch.arange(n_ctx, device=device) + off).expand(ids.shape[0], n_ctx)
+
+
+def _train(model: nn.Module, chosen: dict[int, nn.Module], batches, plan: _Plan, fit: Callable | None = None) -> TransferResult:
+    """The loop: one teacher capture per global batch, then ``query_blocks`` optimiser steps of the
+    ``chosen`` maps. ``fit(rfa, cap, twin_max_keys)``: a layer's differentiable output (default
+    :func:`transfer_output`; under FSDP the map unit's registered method)."""
+    from tqdm.auto import tqdm
+
+    fit = fit or (lambda rfa, cap, t: transfer_output(rfa, cap, t))
+    opt = torch.optim.Adam([p for r in chosen.values() for p in r.parameters()], lr=plan.lr)
+    res = TransferResult(autocast=precision.dtype_name(plan.autocast))
+    start = time.perf_counter()
+    bar = tqdm(total=plan.tokens, desc="attention transfer", unit="tok", disable=not plan.progress)
     device = input_device(model)
-    res.autocast = precision.dtype_name(autocast)
     try:
         for ids, mask in batches:
-            ids, mask = distributed.shard(ids, mask)  # this process's rows of the global batch
-            ids, mask = to_device(ids, device), to_device(mask, device)
-            pos = None
-            if max_position is not None:
-                n_ctx = ids.shape[-1]
-                if max_position < n_ctx:
-                    raise ValueError(f"max_position ({max_position}) must be at least the context ({n_ctx})")
-                off = int(torch.randint(0, max_position - n_ctx + 1, (1,), generator=gen))
-                pos = (torch.arange(n_ctx, device=device) + off).expand(ids.shape[0], n_ctx)
-            with precision.autocast(device, autocast):
-                caps = capture(model, ids, mask, pos, layers=subset)
-            if init_mix and res.steps == 0:
+            ids, mask, pos = _inputs(ids, mask, device, plan)
+            with precision.autocast(device, plan.autocast):
+                caps = capture(model, ids, mask, pos, layers=plan.subset)
+            if plan.init_mix and res.steps == 0:
                 init_mixing(model, caps)
             nk = ids.shape[-1]
             if res.steps == 0:
-                logger.info("attention transfer: layer outputs by the %s (%d keys; the twin up to %d)", "quadratic twin" if nk <= twin_max_keys else "op", nk, twin_max_keys)
+                logger.info("attention transfer: layer outputs by the %s (%d keys; the twin up to %d)", "quadratic twin" if nk <= plan.twin_max_keys else "op", nk, plan.twin_max_keys)
             n = distributed.global_tokens(int(mask.sum()) if mask is not None else ids.numel())
-            if query_blocks > 1 and query_blocks * queries > nk:
-                raise ValueError(f"query_blocks ({query_blocks}) × queries ({queries}) exceeds the sequence length ({nk})")
-            for b in range(query_blocks):
-                for group in opt.param_groups:
-                    group["lr"] = lr * SCHEDULES[schedule]((res.tokens + n * b / query_blocks) / max(tokens, 1))
-                opt.zero_grad(set_to_none=True)
-                total = 0.0
-                for idx, rfa in layers.items():
-                    cap = caps[idx]
-                    if queries is not None and cap.causal and queries < cap.q.shape[2]:
-                        cap = cap.queries_ending_at(nk - b * queries, queries)  # b = 0: the last queries
-                    with precision.autocast(device, autocast):
-                        pred = transfer_output(rfa, cap, twin_max_keys)
-                    loss = _masked_mse(pred, cap)
-                    (loss / n_layers).backward()
-                    total += float(loss.detach())
-                distributed.all_reduce_grads(params)
-                opt.step()
+            if plan.query_blocks > 1 and plan.query_blocks * plan.queries > nk:
+                raise ValueError(f"query_blocks ({plan.query_blocks}) × queries ({plan.queries}) exceeds the sequence length ({nk})")
+            for b in range(plan.query_blocks):
+                res.losses.append(_step(opt, chosen, caps, nk, b, (res.tokens + n * b / plan.query_blocks) / max(plan.tokens, 1), plan, fit, device))
                 res.steps += 1
-                res.losses.append(total / n_layers)
-            del caps, cap, pred, loss  # not alive through the next capture (peak memory)
+            del caps  # not alive through the next capture (peak memory)
             res.tokens += n
             bar.update(n)
             bar.set_postfix(mse=f"{res.losses[-1]:.2e}")
-            if res.tokens >= tokens:
+            if res.tokens >= plan.tokens:
                 break
-            _check_limit("transfer", res, tokens, start, max_seconds)
+            check_limit("transfer", res, plan.tokens, start, plan.max_seconds)
     finally:
         bar.close()
-        for p, rg in frozen:
-            p.requires_grad_(rg)
-        model.train(was_training)
     res.seconds = time.perf_counter() - start
-    logger.info("attention transfer: %d tokens, %d steps, %.1f min, mse %.3g -> %.3g", res.tokens, res.steps, res.seconds / 60, *(res.losses[0], res.losses[-1]))
     return res
 
 
-# --------------------------------------------------------------------------- LoRA stage
-def _train_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function for training (LoRA) and for evaluation in the recipes: the ``"rfa"``
-    attention itself (:func:`hf_rfa.hf.attention.rfa_attention_forward`, the layer's
-    :class:`~hf_rfa.hf.attention.RFAAttention` — what a user's Trainer runs: q/k/v in the autocast
-    dtype under autocast, the rotary embedding undone block by block inside the op), except that a
-    layer set to an inference-only backend runs ``"auto"`` when the call records a graph."""
-    from ...hf.attention import BACKEND_KWARG, rfa_attention_forward
-
-    rfa = getattr(module, "rfa", None)
-    if rfa is not None:
-        kwargs[BACKEND_KWARG] = training_backend(rfa.backend)
-    return rfa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-
-
-def register_train() -> None:
-    """Register the training attention function (the op's autograd form) and its mask function."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from ...hf.attention import rfa_mask
-
-    AttentionInterface.register(TRAIN_NAME, _train_forward)
-    AttentionMaskInterface.register(TRAIN_NAME, rfa_mask)
+def _step(opt, chosen: dict[int, nn.Module], caps: dict[int, Captured], nk: int, b: int, progress: float, plan: _Plan, fit: Callable, device) -> float:
+    """One optimiser step on query block ``b`` of every chosen layer; returns the mean layer loss."""
+    for group in opt.param_groups:
+        group["lr"] = plan.lr * SCHEDULES[plan.schedule](progress)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for idx, rfa in chosen.items():
+        cap = caps[idx]
+        if plan.queries is not None and cap.causal and plan.queries < cap.q.shape[2]:
+            cap = cap.queries_ending_at(nk - b * plan.queries, plan.queries)  # b = 0: the last queries
+        with precision.autocast(device, plan.autocast):
+            pred = fit(rfa, cap, plan.twin_max_keys)
+        loss = _masked_mse(pred, cap)
+        (loss / plan.n_layers).backward()
+        total += float(loss.detach())
+    if not plan.sharded:
+        distributed.all_reduce_grads([p for g in opt.param_groups for p in g["params"]])
+    opt.step()
+    return total / plan.n_layers
 
 
-def lora_finetune(
-    model: nn.Module,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
-    tokens: int,
-    lr: float = 1e-3,
-    r: int = 8,
-    max_seconds: float | None = None,
-    progress: bool = True,
-    train_feature_maps: bool = False,
-    autocast: torch.dtype | None = None,
-) -> tuple[nn.Module, TransferResult]:
-    """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
-    converted model and a :class:`TransferResult`. An unconverted model (no ``rfa`` layer) trains
-    with its own attention: the same budget on the original is the reference for how much of a
-    LoRA's gain is adaptation to the text rather than to the conversion. ``autocast``:
-    ``torch.bfloat16`` runs each forward under autocast (:mod:`.precision`; adapters and loss stay
-    float32); None: float32. Feature maps stay frozen unless
-    ``train_feature_maps`` (then their parameters, e.g. a ``decay``, train end to end with the
-    adapters: PEFT's ``modules_to_save`` copies, folded back by the merge). Causal LMs only
-    (labels = inputs)."""
-    from peft import get_peft_model
-    from tqdm.auto import tqdm
+FIT = "hf_rfa_fit"
 
-    from ..training.peft_utils import lora_config
 
-    register_train()
-    if not isinstance(train_feature_maps, bool):
-        raise ValueError(f"train_feature_maps must be a bool, got {train_feature_maps!r}")
-    if train_feature_maps and not rfa_parameters(model):
-        raise ValueError("train_feature_maps=True, but the converted model's feature maps have no trainable parameters")
-    cfg = lora_config(model, r=r, train_feature_maps=train_feature_maps)
-    peft_model = get_peft_model(model, cfg)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    res = TransferResult()
-    start = time.perf_counter()
-    bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
-    base = peft_model.get_base_model()
-    peft_model.train()
-    device = input_device(base)
-    res.autocast = precision.dtype_name(autocast)
-    try:
-        with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
-            for ids, mask in batches:
-                ids, mask = distributed.shard(ids, mask)
-                ids, mask = to_device(ids, device), to_device(mask, device)
-                labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-                with precision.autocast(device, autocast):
-                    loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                res.losses.append(float(loss.detach()))
-                # keep only the number: the loss with its spent graph (and the model output with its
-                # [B, N, vocab] logits) must not stay alive through the next step's forward, where
-                # they would add to the peak memory (benchmarks/train_step.py --release-loss)
-                del loss
-                distributed.all_reduce_grads(params)
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                n = distributed.global_tokens(int(mask.sum()) if mask is not None else ids.numel())
-                res.tokens += n
-                res.steps += 1
-                bar.update(n)
-                bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
-                if res.tokens >= tokens:
-                    break
-                _check_limit("lora", res, tokens, start, max_seconds)
-    finally:
-        bar.close()
-    merged = peft_model.merge_and_unload()
-    merged.eval()
-    for p in merged.parameters():
-        p.requires_grad_(False)
-    res.seconds = time.perf_counter() - start
-    logger.info("LoRA: %d tokens, %d steps, %.1f min, loss %.3f -> %.3f", res.tokens, res.steps, res.seconds / 60, res.losses[0], res.losses[-1])
-    return merged, res
+def _fit(rfa: nn.Module, cap: Captured, twin_max_keys: int) -> torch.Tensor:
+    """A map unit's registered FSDP method (:func:`.fsdp.forward_method`): :func:`transfer_output`."""
+    return transfer_output(rfa, cap, twin_max_keys)
+
+
+def _train_sharded(model: nn.Module, chosen: set[int], batches, plan: _Plan) -> TransferResult:
+    """Under FSDP: the mixing init on the plain ``model`` from the first batch (when asked), then
+    :func:`_train` on a sharded copy (:func:`.fsdp.sharded`) where each chosen layer's map is an
+    FSDP unit of its own whose :func:`transfer_output` is a registered forward method."""
+    if plan.init_mix:
+        batches = iter(batches)
+        first = next(batches, None)
+        if first is not None:
+            gen = torch.Generator()
+            gen.set_state(plan.gen.get_state())  # the positions the first step will draw
+            ids, mask, pos = _inputs(*first, input_device(model), replace(plan, gen=gen))
+            with precision.autocast(input_device(model), plan.autocast):
+                init_mixing(model, capture(model, ids, mask, pos, layers=plan.subset))
+            batches = itertools.chain([first], batches)
+    plan = replace(plan, init_mix=False, sharded=True)
+    with fsdp.sharded(model, lambda work: [r for i, r in rfa_layers(work).items() if i in chosen]) as work:
+        maps = {i: r for i, r in rfa_layers(work).items() if i in chosen}
+        for r in maps.values():
+            fsdp.forward_method(r, FIT, _fit)
+        res = _train(work, maps, batches, plan, fit=lambda rfa, cap, t: getattr(rfa, FIT)(cap, t))
+        res.sharding = fsdp.storage(work)
+    return res
 
 
 __all__ = [

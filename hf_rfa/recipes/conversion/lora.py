@@ -1,0 +1,152 @@
+"""The LoRA recovery stage (LoLCATs stage 2): LoRA adapters on next-token loss, merged back.
+
+:func:`lora_finetune` wraps the stock attention projections with PEFT adapters
+(``hf_rfa.recipes.training.peft_utils.lora_config``), trains them on next-token loss through the
+``"rfa"`` attention (:func:`register_train`) and merges them, returning a plain converted model.
+Several processes (:mod:`.distributed`): each takes its rows of every global batch and the
+gradients are averaged before each step; under FSDP (:mod:`.fsdp`) the adapters are added first,
+then a sharded copy of the wrapped model trains (FSDP reduce-scatters the gradients) and its
+trained values come back into the wrapped model before the merge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from . import distributed, fsdp, precision
+from .budget import TransferResult, check_limit
+from .calibration import attn_implementation, rfa_layers
+from .devices import input_device, to_device
+from ...hf.loading import is_converted
+from ...ops.backends import training_backend
+
+logger = logging.getLogger(__name__)
+
+TRAIN_NAME = "hf_rfa_train"
+
+
+def _train_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function for training (LoRA) and for evaluation in the recipes: the ``"rfa"``
+    attention itself (:func:`hf_rfa.hf.attention.rfa_attention_forward`, the layer's
+    :class:`~hf_rfa.hf.attention.RFAAttention` — what a user's Trainer runs: q/k/v in the autocast
+    dtype under autocast, the rotary embedding undone block by block inside the op), except that a
+    layer set to an inference-only backend runs ``"auto"`` when the call records a graph."""
+    from ...hf.attention import BACKEND_KWARG, rfa_attention_forward
+
+    rfa = getattr(module, "rfa", None)
+    if rfa is not None:
+        kwargs[BACKEND_KWARG] = training_backend(rfa.backend)
+    return rfa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def register_train() -> None:
+    """Register the training attention function (the op's autograd form) and its mask function."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ...hf.attention import rfa_mask
+
+    AttentionInterface.register(TRAIN_NAME, _train_forward)
+    AttentionMaskInterface.register(TRAIN_NAME, rfa_mask)
+
+
+def lora_finetune(
+    model: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
+    tokens: int,
+    lr: float = 1e-3,
+    r: int = 8,
+    max_seconds: float | None = None,
+    progress: bool = True,
+    train_feature_maps: bool = False,
+    autocast: torch.dtype | None = None,
+) -> tuple[nn.Module, TransferResult]:
+    """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
+    converted model and a :class:`TransferResult`. An unconverted model (no ``rfa`` layer) trains
+    with its own attention: the same budget on the original is the reference for how much of a
+    LoRA's gain is adaptation to the text rather than to the conversion. ``autocast``:
+    ``torch.bfloat16`` runs each forward under autocast (:mod:`.precision`; adapters and loss stay
+    float32); None: float32. Feature maps stay frozen unless
+    ``train_feature_maps`` (then their parameters, e.g. a ``decay``, train end to end with the
+    adapters: PEFT's ``modules_to_save`` copies, folded back by the merge). Causal LMs only
+    (labels = inputs)."""
+    from peft import get_peft_model
+
+    from ..training.peft_utils import lora_config
+
+    register_train()
+    if not isinstance(train_feature_maps, bool):
+        raise ValueError(f"train_feature_maps must be a bool, got {train_feature_maps!r}")
+    if train_feature_maps and not [p for rfa in rfa_layers(model).values() for p in rfa.parameters()]:
+        raise ValueError("train_feature_maps=True, but the converted model's feature maps have no trainable parameters")
+    peft_model = get_peft_model(model, lora_config(model, r=r, train_feature_maps=train_feature_maps))
+    peft_model.train()
+    if distributed.fsdp_active():
+        with fsdp.sharded(peft_model) as work:
+            res = _train(work, batches, tokens, lr, max_seconds, progress, autocast, sharded=True)
+            res.sharding = fsdp.storage(work)
+    else:
+        res = _train(peft_model, batches, tokens, lr, max_seconds, progress, autocast)
+    merged = peft_model.merge_and_unload()
+    merged.eval()
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    logger.info("LoRA: %d tokens, %d steps, %.1f min, loss %.3f -> %.3f", res.tokens, res.steps, res.seconds / 60, res.losses[0], res.losses[-1])
+    return merged, res
+
+
+def _train(
+    peft_model: nn.Module, batches, tokens: int, lr: float, max_seconds: float | None, progress: bool, autocast: torch.dtype | None,
+    sharded: bool = False,
+) -> TransferResult:
+    """The LoRA loop on ``peft_model`` (sharded: FSDP averages the gradients in the backward)."""
+    from tqdm.auto import tqdm
+
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    res = TransferResult()
+    start = time.perf_counter()
+    bar = tqdm(total=tokens, desc="LoRA", unit="tok", disable=not progress)
+    base = peft_model.get_base_model()
+    device = input_device(base)
+    res.autocast = precision.dtype_name(autocast)
+    try:
+        with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
+            for ids, mask in batches:
+                ids, mask = distributed.shard(ids, mask)
+                ids, mask = to_device(ids, device), to_device(mask, device)
+                labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+                with precision.autocast(device, autocast):
+                    loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                res.losses.append(float(loss.detach()))
+                # keep only the number: the loss with its spent graph (and the model output with its
+                # [B, N, vocab] logits) must not stay alive through the next step's forward, where
+                # they would add to the peak memory (benchmarks/train_step.py --release-loss)
+                del loss
+                if not sharded:
+                    distributed.all_reduce_grads(params)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                n = distributed.global_tokens(int(mask.sum()) if mask is not None else ids.numel())
+                res.tokens += n
+                res.steps += 1
+                bar.update(n)
+                bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
+                if res.tokens >= tokens:
+                    break
+                check_limit("lora", res, tokens, start, max_seconds)
+    finally:
+        bar.close()
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+__all__ = ["TRAIN_NAME", "lora_finetune", "register_train"]
