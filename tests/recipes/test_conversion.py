@@ -504,3 +504,20 @@ def test_classifier_conversion_reports_each_metric(tiny_dir, tmp_path):
     assert orig["accuracy"] == pytest.approx(float((pred == gold).mean()), abs=1e-12)
     card = (out / "README.md").read_text()
     assert "f1" in card and "accuracy" in card
+
+
+def test_a_run_reports_each_stage_peak_rss_next_to_the_plan(tiny_dir, tmp_path):
+    """report.json's ``memory``: the plan's stage totals (``--dry-run``'s numbers) and, on Linux, the
+    resident-memory peak of the load and of every stage, measured."""
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["llama"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1),
+        transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=64, error_tokens=32, generate_tokens=0,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], progress=False,
+    )
+    mem = pipeline.run(cfg)["memory"]
+    assert set(mem["plan_bytes"]) == {"transfer", "lora", "eval"} and all(v > 0 for v in mem["plan_bytes"].values())
+    if os.path.exists("/proc/self/clear_refs"):
+        peaks = mem["peak_rss_bytes"]
+        assert {"load", "attention_transfer", "lora"} <= set(peaks) and all(v > 2**20 for v in peaks.values())
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["memory"] == mem

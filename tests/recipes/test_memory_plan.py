@@ -148,3 +148,19 @@ def test_autocast_training_of_float32_weights_plans_the_low_precision_weight_cop
         assert bf16.parts["lora"]["activations"] < off.parts["lora"]["activations"]
     else:  # bf16 storage, float32 compute: float32 activations
         assert bf16.parts["lora"]["activations"] == off.parts["lora"]["activations"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux: the peak is read from /proc")
+def test_measure_peak_rss_sees_an_allocation_inside_and_not_before():
+    from hf_rfa.recipes.conversion.stages import measure_peak_rss
+
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, freed before the measured block
+    del big
+    with measure_peak_rss() as quiet:
+        pass
+    with measure_peak_rss() as busy:
+        x = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+        del x
+    assert quiet[0] is not None and busy[0] is not None
+    assert busy[0] - quiet[0] > 200 * 2**20
+

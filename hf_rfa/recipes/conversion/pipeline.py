@@ -124,17 +124,24 @@ def plotting_available() -> bool:
 def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
     """Load, run the stages, export into ``tmp`` with the reports (``tmp=None``: a process other
     than the main one, which writes nothing); returns the report."""
+    from .stages import measure_peak_rss
+
     total = _Timer()
+    planned = None
     if cfg.memory_check:
         from .memory_plan import check_before_loading
 
-        check_before_loading(cfg)  # refuses at once a run that would not fit the device
+        planned = check_before_loading(cfg)  # refuses at once a run that would not fit the device
     procs = distributed.processes()
     device = cfg.device if cfg.device is not None or procs.device is None else str(procs.device)  # one device per process
-    model, tok, kind = load_model(
-        cfg.model, cfg.torch_dtype, device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
-    )
+    with measure_peak_rss() as load_peak:
+        model, tok, kind = load_model(
+            cfg.model, cfg.torch_dtype, device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
+        )
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
+    memory = report["memory"] = {"peak_rss_bytes": {"load": load_peak[0]} if load_peak[0] is not None else {}}
+    if planned is not None:  # the plan next to what each stage measured
+        memory["plan_bytes"] = {stage: planned.stage_total(stage) for stage in planned.parts}
     warnings = checks.check_model(cfg, model, kind)
     if warnings:
         report["warnings"] = warnings

@@ -12,6 +12,7 @@ encoder:    sentences → original → random baselines → window-only baseline
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Callable
@@ -369,11 +370,51 @@ STAGES: dict[str, list[Stage]] = {
 
 
 def run_stages(s: State) -> State:
-    """Run ``STAGES[s.kind]`` in order over ``s``."""
+    """Run ``STAGES[s.kind]`` in order over ``s``; each stage's peak resident memory (on Linux) goes
+    into ``report["memory"]["peak_rss_bytes"]`` under the stage's name (the measured side of the
+    memory plan, ``--dry-run``)."""
+    peaks = s.report.setdefault("memory", {}).setdefault("peak_rss_bytes", {})
     for stage in STAGES[s.kind]:
         logger.debug("stage %s", stage.__name__)
-        stage(s)
+        with measure_peak_rss() as peak:
+            stage(s)
+        if peak[0] is not None:
+            peaks[stage.__name__] = peak[0]
+            logger.debug("stage %s: peak RSS %.2f GiB", stage.__name__, peak[0] / 2**30)
     return s
 
 
-__all__ = ["STAGES", "Stage", "run_stages"]
+@contextlib.contextmanager
+def measure_peak_rss():
+    """``with measure_peak_rss() as peak:`` — ``peak[0]``, after the block, is the process's
+    resident-memory high-water mark during it (bytes; None where it cannot be read: not Linux)."""
+    out: list[int | None] = [None]
+    _reset_peak_rss()
+    try:
+        yield out
+    finally:
+        out[0] = _peak_rss()
+
+
+def _reset_peak_rss() -> None:
+    """Reset the process's resident-memory high-water mark (Linux: ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int | None:
+    """The resident-memory high-water mark since the last reset (bytes; None where not readable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+__all__ = ["STAGES", "Stage", "measure_peak_rss", "run_stages"]
