@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def test_autocast_training_of_float32_weights_plans_the_low_precision_weight_cop
         assert bf16.parts["lora"]["activations"] == off.parts["lora"]["activations"]
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux: the peak is read from /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux: the resident memory is read from /proc")
 def test_measure_peak_rss_sees_an_allocation_inside_and_not_before():
     from hf_rfa.recipes.conversion.stages import measure_peak_rss
 
@@ -159,7 +160,8 @@ def test_measure_peak_rss_sees_an_allocation_inside_and_not_before():
     with measure_peak_rss() as quiet:
         pass
     with measure_peak_rss() as busy:
-        x = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+        x = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched, held longer than the sampling interval
+        time.sleep(0.2)
         del x
     assert quiet[0] is not None and busy[0] is not None
     assert busy[0] - quiet[0] > 200 * 2**20

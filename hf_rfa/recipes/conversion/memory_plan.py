@@ -200,7 +200,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     g = _dims(config)
     shard = processes if sharding == "fsdp" else 1
     weights = p_orig * wb + p_rfa * 4
-    runtime = runtime_bytes if runtime_bytes is not None else (CUDA_CONTEXT_BYTES if device.type == "cuda" else _rss_now())
+    runtime = runtime_bytes if runtime_bytes is not None else (CUDA_CONTEXT_BYTES if device.type == "cuda" else rss_now())
     b = max(1, math.ceil(cfg.batch_size / processes))
     n, n_lora = cfg.context, cfg.lora_context or cfg.context
     out = MemoryPlan(cfg.model, cfg.dtype, str(device), processes, sharding, n, cfg.batch_size,
@@ -278,7 +278,7 @@ def _decode(cfg, g, wb, feat, n_layers) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- does it fit
-def _rss_now() -> int:
+def rss_now() -> int:
     """This process's resident memory now (bytes); 0 where it cannot be read."""
     try:
         with open("/proc/self/statm") as f:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -370,7 +371,7 @@ STAGES: dict[str, list[Stage]] = {
 
 
 def run_stages(s: State) -> State:
-    """Run ``STAGES[s.kind]`` in order over ``s``; each stage's peak resident memory (on Linux) goes
+    """Run ``STAGES[s.kind]`` in order over ``s``; each stage's peak resident memory (on Linux, sampled) goes
     into ``report["memory"]["peak_rss_bytes"]`` under the stage's name (the measured side of the
     memory plan, ``--dry-run``)."""
     peaks = s.report.setdefault("memory", {}).setdefault("peak_rss_bytes", {})
@@ -385,36 +386,39 @@ def run_stages(s: State) -> State:
 
 
 @contextlib.contextmanager
-def measure_peak_rss():
-    """``with measure_peak_rss() as peak:`` — ``peak[0]``, after the block, is the process's
-    resident-memory high-water mark during it (bytes; None where it cannot be read: not Linux)."""
+def measure_peak_rss(interval: float = 0.02):
+    """``with measure_peak_rss() as peak:`` — ``peak[0]``, after the block, is the largest resident
+    memory of the process seen during it (bytes), sampled every ``interval`` seconds by a thread
+    (so a spike shorter than that can be missed); None where it cannot be read (not Linux). The
+    process's own high-water mark (``ru_maxrss``, ``/usr/bin/time``) is left untouched."""
     out: list[int | None] = [None]
-    _reset_peak_rss()
+    first = _rss_now()
+    if first is None:
+        yield out
+        return
+    best = [first]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval):
+            now = _rss_now()
+            if now is not None and now > best[0]:
+                best[0] = now
+
+    t = threading.Thread(target=sample, name="hf_rfa-peak-rss", daemon=True)
+    t.start()
     try:
         yield out
     finally:
-        out[0] = _peak_rss()
+        stop.set()
+        t.join()
+        out[0] = max(best[0], _rss_now() or 0)
 
 
-def _reset_peak_rss() -> None:
-    """Reset the process's resident-memory high-water mark (Linux: ``/proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+def _rss_now() -> int | None:
+    from .memory_plan import rss_now
 
-
-def _peak_rss() -> int | None:
-    """The resident-memory high-water mark since the last reset (bytes; None where not readable)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return rss_now() or None
 
 
 __all__ = ["STAGES", "Stage", "measure_peak_rss", "run_stages"]
