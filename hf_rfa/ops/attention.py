@@ -150,7 +150,7 @@ def attend(
         feature_q, feature_k, poison = guard_feature_inputs(feature_q, feature_k, km, causal, poison)
     if call.backend in gpu.GPU_ORDER:  # FlexAttention band / fla scan (hf_rfa.ops.backends.gpu)
         grad = _grad(q, k, v, feature_map, feature_q, feature_k)
-        out = gpu.attention(q, k, v, feature_map, km, window=call.window, sinks=call.sinks, scale=call.scale, chunk_size=spec.chunk_size, checkpoint=spec.checkpoint_blocks, backend=call.backend, grad=grad, feature_q=feature_q, feature_k=feature_k, feature_rope=feature_rope)
+        out = gpu.attention(q, k, v, feature_map, km, call, grad=grad, features=(feature_q, feature_k, feature_rope))
     elif spec.memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
         out = memory_attention(q, k, v, feature_map, km, call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score, feature_q, feature_k)
     else:
