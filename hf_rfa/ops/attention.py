@@ -15,6 +15,7 @@ import torch
 
 from .backends import gpu, honoured, native, resolve
 from .band.exact import exact_local, exact_local_last
+from .band.plan import Band
 from .feature.bidirectional import bidirectional_feature_attention
 from .feature.fused import causal_feature_attention, fold_keys
 from .feature.linear import bidirectional_window_parts, shift_keys
@@ -297,8 +298,8 @@ def _exact_band(xq, xk, vv, km, call: CallPlan, nq: int) -> Partial:
     n = xq.shape[3]
     recompute = call.spec.checkpoint_blocks
     if call.causal and nq < n:
-        return exact_local_last(xq, xk, vv, km, call.window, call.sinks, nq, call.spec.chunk_size, recompute=recompute)
-    return exact_local(xq, xk, vv, km, call.window, call.sinks, call.causal, call.spec.chunk_size, recompute=recompute)
+        return exact_local_last(xq, xk, vv, km, Band(call.window, call.sinks, True, call.spec.chunk_size), nq, recompute=recompute)
+    return exact_local(xq, xk, vv, km, Band(call.window, call.sinks, call.causal, call.spec.chunk_size), recompute=recompute)
 
 
 def _causal_feature_part(feature_map, inputs: tuple, feat_mask, gates: tuple, call: CallPlan, nq: int, out) -> Partial | None:

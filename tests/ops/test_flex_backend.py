@@ -11,6 +11,7 @@ import hf_rfa
 from hf_rfa.ops import random_feature_attention
 from hf_rfa.ops.backends import BACKENDS, fla, flex, gpu, resolve
 from hf_rfa.ops.band.exact import exact_local
+from hf_rfa.ops.band.plan import Band
 from hf_rfa.ops.partial import finalize
 from hf_rfa.ops.rotary import unrotate
 from hf_rfa.ops.spec import AttentionSpec, CallPlan
@@ -49,7 +50,7 @@ def test_flex_band_equals_pytorch_band(band, block):
     q, k, v, mask = _qkv(n)
     scale = D**-0.5
     got = flex.band_partial(q, k, v, mask, min(window, n), sinks, scale, block=block)
-    ref = exact_local(q.reshape(B, HKV, H // HKV, n, D) * scale**0.5, k * scale**0.5, v, mask, min(window, n), sinks, True, 16)
+    ref = exact_local(q.reshape(B, HKV, H // HKV, n, D) * scale**0.5, k * scale**0.5, v, mask, Band(min(window, n), sinks, True, 16))
     seen = ref.den > 0
     assert torch.equal(got.den > 0, seen)
     assert rel(finalize(got, 1e-6)[seen], finalize(ref, 1e-6)[seen]) <= ORACLE_FP32

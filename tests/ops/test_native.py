@@ -293,6 +293,7 @@ def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
     """Partial (num, den, log scale) of the window/sink part = ``hybrid.exact_local`` (padding at
     the front and holes, GQA, sinks inside and outside the window, W ≥ N)."""
     from hf_rfa.ops.band.exact import exact_local
+    from hf_rfa.ops.band.plan import Band
     from hf_rfa.ops.masks import exp_floor, sink_positions
 
     b, n, d = 2, 150, 16
@@ -301,7 +302,7 @@ def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
     root = scale**0.5
     spos, sok = sink_positions(mask, b, n, sinks, q.device) if sinks else (None, None)
     num, den, ls = native.causal_band(q, k, v, scale, mask, window, spos, sok, chunk, exp_floor(torch.float32))
-    twin = exact_local((q * root).reshape(b, hkv, h // hkv, n, d), k * root, v, mask, window, sinks, True, chunk)
+    twin = exact_local((q * root).reshape(b, hkv, h // hkv, n, d), k * root, v, mask, Band(window, sinks, True, chunk))
     g = h // hkv
     ls, den, num = ls.view(b, hkv, g, n), den.view(b, hkv, g, n), num.view(b, hkv, g, n, d)
     seen = twin.den > 0

@@ -10,6 +10,7 @@ import torch
 import hf_rfa
 from hf_rfa.ops.backends import native
 from hf_rfa.ops.band.exact import exact_local
+from hf_rfa.ops.band.plan import Band
 from hf_rfa.ops.feature.fused import causal_feature_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
@@ -72,7 +73,7 @@ def test_band_function_matches_autograd_form(causal, window, sinks):
     for recompute in (False, True):
         leaves = [t.clone().requires_grad_() for t in (xq, k, v)]
         # block_size 16 with chunk 4: four chunks per block, four blocks (the last one short)
-        p = exact_local(*leaves, mask, window, sinks, causal, chunk_size=4, block_size=16, recompute=recompute)
+        p = exact_local(*leaves, mask, Band(window, sinks, causal, chunk_size=4, block_size=16), recompute=recompute)
         ((p.num * up).sum() + (p.den * up[..., 0]).sum()).backward()
         res.append([p.num, p.den, p.log_scale] + [t.grad for t in leaves])
     assert res[1][0].grad_fn is not None and "BandFunction" in type(res[1][0].grad_fn).__name__
@@ -87,7 +88,7 @@ def test_band_function_gradcheck_float64(causal, window, sinks):
     k, v = k.requires_grad_(), v.requires_grad_()
 
     def f(xq, k, v):
-        p = exact_local(xq, k, v, mask[:1], window, sinks, causal, chunk_size=2, block_size=4, recompute=True)
+        p = exact_local(xq, k, v, mask[:1], Band(window, sinks, causal, chunk_size=2, block_size=4), recompute=True)
         # scale-free quantities: the row max (ls) is a stabiliser without a gradient
         return p.num * torch.exp(p.log_scale).unsqueeze(-1), p.den * torch.exp(p.log_scale)
 

@@ -19,7 +19,7 @@ import torch
 
 from ..backends import native, resolve
 from ..backends.causal_infer import BlockWorkspace
-from .chunkwise import Block, assemble_block, block_features, key_terms
+from .chunkwise import Block, Tokens, assemble_block, block_features, key_terms
 from ..masks import exp_floor, needs_grad
 from ..partial import Partial, finalize
 from ..autograd import map_params
@@ -77,7 +77,7 @@ def causal_feature_attention(
         if nparams is not None:
             if state is None:
                 state = LinearState.zeros(b, hkv, fdim, dv, device=xq.device, dtype=ct)
-            return _native_causal(nparams, xq, xk, v, key_mask, lq_add, lk_add, chunk_size, state, out, feature_map.eps)
+            return _native_causal(nparams, (xq, xk, v, key_mask, lq_add, lk_add), chunk_size, state, out, feature_map.eps)
     probe_k = feature_map.forward_keys(xk[:, :, :1].to(ct) * x_scale)
     scaled = probe_k.log_scale is not None or lk_add is not None
     if state is None:
@@ -86,16 +86,16 @@ def causal_feature_attention(
     if checkpoint and not infer and not needs_grad(*st_t):
         names, tensors = map_params(feature_map)
         spec = ScanSpec(feature_map, plan, x_scale, scaled, g, ct, names)
-        return _checkpointed(spec, state, key_mask, xq, xk, v, lq_add, lk_add, tensors, out)
+        return _checkpointed(spec, state, (xq, xk, v, key_mask, lq_add, lk_add), tensors, out)
     sizes = [p[0] for p in plan]
     cuts = [split_tokens(xq, sizes, 2), split_tokens(xk, sizes, 2), split_tokens(v, sizes, 2)]
     cuts += [split_tokens(key_mask, sizes, 1), split_tokens(lq_add, sizes, -1), split_tokens(lk_add, sizes, -1)]
 
     def get(i: int, ws: BlockWorkspace | None) -> Block:
-        xqb, xkb, vb, kmb, lqab, lkab = (x[i] for x in cuts)
+        tokens = tuple(x[i] for x in cuts)
         if ws is None:
-            return block_features(feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale, ct, hkv)
-        return _features_into(ws, feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale, hkv)
+            return block_features(feature_map, tokens, x_scale, ct, hkv)
+        return _features_into(ws, feature_map, tokens, x_scale, hkv)
 
     return causal_scan(get, plan, state, scaled, g, infer, out, feature_map.eps)
 
@@ -114,9 +114,11 @@ def fold_keys(feature_map, xk: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     return fold(state, kf, lk, v.to(kf.dtype))
 
 
-def _checkpointed(spec: ScanSpec, state: LinearState, key_mask, xq, xk, v, lq_add, lk_add, params, out) -> tuple[Partial | None, LinearState]:
+def _checkpointed(spec: ScanSpec, state: LinearState, tokens: Tokens, params, out) -> tuple[Partial | None, LinearState]:
     """:func:`causal_feature_attention` by the recomputing :class:`ScanFunction` (training memory);
-    ``params``: the map's parameters named ``spec.names``."""
+    ``tokens = (xq, xk, v, key_mask, lq_add, lk_add)``; ``params``: the map's parameters named
+    ``spec.names``."""
+    xq, xk, v, key_mask, lq_add, lk_add = tokens
     dv = v.shape[-1]
     S0, ref0 = state_matrix(state, spec.scaled)
     o, ls, S, ref = ScanFunction.apply(spec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *params)
@@ -127,17 +129,20 @@ def _checkpointed(spec: ScanSpec, state: LinearState, key_mask, xq, xk, v, lq_ad
     return None, st
 
 
-def _features_into(ws: BlockWorkspace, feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, hkv: int) -> Block:
+def _features_into(ws: BlockWorkspace, feature_map, tokens: Tokens, x_scale: float, hkv: int) -> Block:
     """Inference: one block's features written straight into the workspace ``ws`` (the map applies
-    ``x_scale``); same result as :func:`block_features`."""
+    ``x_scale``); same result as :func:`block_features` (``tokens`` as there)."""
+    xqb, xkb, vb, kmb, lqab, lkab = tokens
     fq = feature_map.features_into(xqb, ws.q_heads, True, x_scale)
     fk = feature_map.features_into(xkb, ws.k, False, x_scale)
     return assemble_block(fq, fk, vb, kmb, lqab, lkab, hkv, in_place=True)
 
 
-def _native_causal(params, xq, xk, v, key_mask, lq_add, lk_add, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
+def _native_causal(params, tokens: Tokens, chunk_size: int, state: LinearState, out, eps: float) -> tuple[Partial | None, LinearState]:
     """:func:`causal_feature_attention` by the compiled CPU kernel (:mod:`hf_rfa.ops.backends.native`;
-    its twin is the inference form of :func:`hf_rfa.ops.feature.scan.causal_scan`)."""
+    its twin is the inference form of :func:`hf_rfa.ops.feature.scan.causal_scan`); ``tokens =
+    (xq, xk, v, key_mask, lq_add, lk_add)``."""
+    xq, xk, v, key_mask, lq_add, lk_add = tokens
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]
     g = h // hkv

@@ -162,7 +162,7 @@ def feature_unit(spec: HybridSpec, unit, S, ref, inputs: list):
     for j, i in enumerate(idx):
         states.append(S)
         refs.append(ref)
-        o, ls, S, ref = scan_block(scan, scan.plan[i][1], S, ref, *(x[j] for x in cut))
+        o, ls, S, ref = scan_block(scan, scan.plan[i][1], S, ref, tuple(x[j] for x in cut))
         outs.append(o)
         lss.append(ls)
     o = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]

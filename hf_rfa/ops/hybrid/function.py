@@ -354,7 +354,7 @@ def _scatter_band_grads(spec: HybridSpec, unit, tiles: tuple, dnum_b, dden_b, ac
     L, c, rows = c1 - c0, plan.c, (c1 - c0) * plan.c
     dn6 = stack_rows(window_slice(dnum_b, 0, rows, 3), L, c)
     dd6 = stack_rows(window_slice(dden_b, 0, rows, 3).unsqueeze(-1), L, c)
-    dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)
+    dq6, gk, gv, gks, gvs = band_block_grads((pb, ps, q6, kbu, vbu, ks, vs), dn6, dd6, c)
     dq = unstack_rows(dq6, plan.g, c)[..., : t1 - t0, :] * spec.root
     acc.dq[:, :, t0:t1] += dq.flatten(1, 2)
     if gk is not None:

@@ -11,6 +11,7 @@ import torch
 
 from ..backends import native
 from ..band.exact import exact_local
+from ..band.plan import Band
 from ..decode.state import DecodeState, exact_part, join_sinks
 from ..masks import NEG, exp_floor, sink_positions
 from ..partial import Partial, finalize, merge
@@ -185,7 +186,7 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, window: int, sink
             num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
             exact = Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n))
         elif p0 == 0:
-            exact = exact_local(xqg, xk, vv, km, window, sinks, True, chunk_size)
+            exact = exact_local(xqg, xk, vv, km, Band(window, sinks, True, chunk_size))
         else:
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
             exact = exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
