@@ -153,7 +153,7 @@ def attend(
         grad = _grad(q, k, v, feature_map, feature_q, feature_k)
         out = gpu.attention(q, k, v, feature_map, km, call, grad=grad, features=(feature_q, feature_k, feature_rope))
     elif spec.memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
-        out = memory_attention(q, k, v, feature_map, km, call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score, feature_q, feature_k)
+        out = memory_attention(q, k, v, feature_map, km, call, feature_q, feature_k)
     else:
         with honoured(spec.backend):  # (another backend asked: no compiled kernel even where enabled)
             out = _attention(q, k, v, feature_map, km, call, (feature_q, feature_k, feature_rope))

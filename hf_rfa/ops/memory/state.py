@@ -29,6 +29,24 @@ def check_memory_args(memory, memory_every, causal: bool, feature_map, memory_sc
     return memory, memory_every
 
 
+@dataclass(frozen=True)
+class MemoryCall:
+    """The settings of one exact-memory call (:func:`~hf_rfa.ops.memory.sequential.run_sequential`,
+    :func:`~hf_rfa.ops.memory.periods.run_periods`): window W, sinks S, ``memory`` M slots, refreshes
+    every ``memory_every`` positions, the logit ``scale`` (None: ``D ** -0.5``, resolved by the entry
+    points), the window/sink part's ``chunk_size``, ``native_band`` (a prefill's window/sink part
+    runs the compiled kernel: the op's rule) and ``memory_score`` (:data:`MEMORY_SCORES`)."""
+
+    window: int
+    sinks: int
+    memory: int
+    memory_every: int
+    scale: float | None = None
+    chunk_size: int = 64
+    native_band: bool = False
+    memory_score: str = "value_norm"
+
+
 @dataclass
 class MemoryState:
     """The past of one causal layer with an exact memory (B rows, Hkv kv heads, M slots).
@@ -116,4 +134,4 @@ class MemoryState:
         return self.base.nbytes() + self.memory_nbytes()
 
 
-__all__ = ["MAX_MEMORY", "MemoryState", "check_memory_args"]
+__all__ = ["MAX_MEMORY", "MemoryCall", "MemoryState", "check_memory_args"]
