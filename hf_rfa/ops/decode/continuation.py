@@ -43,9 +43,11 @@ from .state import DecodeState, exact_part, join_sinks
 logger = logging.getLogger(__package__)  # "hf_rfa.ops.decode"
 
 
-def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size) -> tuple[int, int, int, int, int, int]:
+def _check_continuation(state, q, k, v, feature_map, attention_mask, settings: tuple) -> tuple[int, int, int, int, int, int]:
     """Every argument of :func:`continue_attention` checked against the others and the state
-    (ValueError naming it, before any computation); returns ``(B, H, n, D, Hkv, Dv)``."""
+    (ValueError naming it, before any computation; ``settings = (window, sinks, scale,
+    chunk_size)``); returns ``(B, H, n, D, Hkv, Dv)``."""
+    window, sinks, scale, chunk_size = settings
     if not isinstance(state, DecodeState):
         raise ValueError(f"state must be a DecodeState (DecodeState.empty before the first token), got {type(state).__name__}")
     b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)
@@ -77,12 +79,17 @@ def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sin
 
 
 
-def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg, win_decay, e: int, g: int, chunk_size: int, be: str, grad: bool, backend: str):
-    """The feature part of ``n`` new queries ``xq [B, H, n, D]`` when the ``e`` oldest local keys
-    (``xk [B, Hkv, L, D]``, local 0..e-1) leave the window in this call: early queries (the window
-    still filling) read the state; a single decoding step folds the evicted key and reads; a
-    prefill / multi-token chunk runs the chunkwise-parallel scan continued from the state.
-    Returns ``(Partial, new linear state)``."""
+def _feature_part(feature_map, linear: LinearState, blk: "_Block", gates: tuple, e: int, chunk_size: int, backends: tuple):
+    """The feature part of the ``n`` new queries (the block's feature queries ``blk.xq_f [B, H, n,
+    D]``) when the ``e`` oldest local keys (``blk.xk_f [B, Hkv, L, D]``, local 0..e-1) leave the
+    window in this call: early queries (the window still filling) read the state; a single
+    decoding step folds the evicted key and reads; a prefill / multi-token chunk runs the
+    chunkwise-parallel scan continued from the state. ``gates = (cl, log1mg, win_decay)`` (Nones
+    ungated); ``backends = (resolved or "auto", grad, requested)``. Returns ``(Partial, new linear
+    state)``."""
+    xq, xk, vv, feat, g = blk.xq_f, blk.xk_f, blk.vv, blk.feat, blk.h // blk.hkv
+    cl, log1mg, win_decay = gates
+    be, grad, backend = backends
     b, hkv, n, d = xq.shape[0], xk.shape[1], xq.shape[2], xq.shape[3]
     early = n - e  # > 0 only while the window is filling (the state is still empty)
     nq_feat = n if e == 1 else early
@@ -177,14 +184,14 @@ def continue_attention(
     (:func:`~hf_rfa.ops.masks.guard_continuation`: the state itself stays finite); a float16
     output is clamped to float16's range.
     """
-    b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
+    b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, (window, sinks, scale, chunk_size))
     feature_q, feature_k = _check_feature_inputs(state, q, k, feature_q, feature_k, feature_key_fn)
     if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
         return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
     scale = d**-0.5 if scale is None else float(scale)
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
-    blk = _local_block(state, q, k, v, km, feature_q, feature_k, feature_key_fn, poison, nonfinite, sinks, scale**0.5)
+    blk = _local_block(state, (q, k, v), km, (feature_q, feature_k, feature_key_fn), (poison, nonfinite), sinks, scale**0.5)
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     grad = needs_grad(q, k, v, *state.tensors().values(), *params)
     # a named backend is checked (and refused) here, as by the prefill op; "auto" is resolved
@@ -284,8 +291,12 @@ def _guard_feature_inputs(feature_q, lkf_raw, km, wc: int, h: int, poison, nonfi
     return feature_q, lkf_raw, poison, nonfinite
 
 
-def _local_block(state: DecodeState, q, k, v, km, feature_q, feature_k, feature_key_fn, poison, nonfinite, sinks: int, root: float) -> _Block:
-    """The call's :class:`_Block` from guarded, finite q/k/v and the checked feature inputs."""
+def _local_block(state: DecodeState, qkv: tuple, km, features: tuple, guards: tuple, sinks: int, root: float) -> _Block:
+    """The call's :class:`_Block` from guarded, finite ``qkv = (q, k, v)``, the checked ``features
+    = (feature_q, feature_k, feature_key_fn)`` and ``guards = (poison, nonfinite)``."""
+    q, k, v = qkv
+    feature_q, feature_k, feature_key_fn = features
+    poison, nonfinite = guards
     b, h, n, _ = q.shape
     hkv = k.shape[1]
     ct = state.linear.S.dtype
@@ -318,10 +329,8 @@ def _attend(state: DecodeState, blk: _Block, feature_map, window: int, sinks: in
     parts: list[Partial] = []
     if window > 0 or sinks > 0:
         xs = sink_k.to(ct) * blk.root if sinks > 0 else None
-        parts.append(exact_part(
-            blk.xq.reshape(b, hkv, g, n, -1), blk.xk, blk.vv, blk.real, blk.wc, blk.pos0, window,
-            xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size,
-        ))
+        sink_terms = (xs, sink_v.to(ct), sink_pos, sink_exists) if sinks > 0 else None
+        parts.append(exact_part(blk.xq.reshape(b, hkv, g, n, -1), blk.xk, blk.vv, blk.real, (blk.wc, blk.pos0), window, sink_terms, chunk_size))
     linear = state.linear
     win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
     cl = log1mg_all = None
@@ -333,8 +342,7 @@ def _attend(state: DecodeState, blk: _Block, feature_map, window: int, sinks: in
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
     e = max(0, blk.wc + n - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
     if e > 0:
-        be, grad, backend = backends
-        part, linear = _feature_part(feature_map, linear, blk.xq_f, blk.xk_f, blk.vv, blk.feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
+        part, linear = _feature_part(feature_map, linear, blk, (cl, log1mg_all, win_decay), e, chunk_size, backends)
         parts.append(part)
     if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]

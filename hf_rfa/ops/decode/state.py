@@ -111,21 +111,20 @@ def exact_part(
     xk: torch.Tensor,
     v: torch.Tensor,
     real: torch.Tensor,
-    q0: int,
-    pos0: int,
+    offsets: tuple[int, int],
     window: int,
-    sink_k: torch.Tensor | None,
-    sink_v: torch.Tensor | None,
-    sink_pos: torch.Tensor | None,
-    sink_ok: torch.Tensor | None,
+    sinks: tuple | None,
     chunk_size: int,
 ) -> Partial:
     """Exact softmax over the window band and the sinks, for the new queries only.
 
     xq ``[B, Hkv, G, n, D]`` (local indices ``q0 … q0+n-1``), xk ``[B, Hkv, L, D]``, v
     ``[B, Hkv, L, Dv]`` and real ``[B, L]`` of the local block (local index i is absolute position
-    ``pos0 + i``); sink_k/v ``[B, Hkv, S, ·]`` (already scaled keys), sink_pos/sink_ok ``[B, S]``.
+    ``pos0 + i``; ``offsets = (q0, pos0)``); ``sinks = (sink_k, sink_v, sink_pos, sink_ok)`` or
+    None: sink_k/v ``[B, Hkv, S, ·]`` (already scaled keys), sink_pos/sink_ok ``[B, S]``.
     """
+    q0, pos0 = offsets
+    sink_k, sink_v, sink_pos, sink_ok = sinks if sinks is not None else (None, None, None, None)
     b, hkv, g, n, _ = xq.shape
     dev = xq.device
     nums, dens, lss = [], [], []

@@ -191,7 +191,7 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
             exact = exact_local(xqg, xk, vv, km, Band(window, sinks, True, chunk_size))
         else:
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
-            exact = exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
+            exact = exact_part(xqg, xk, vv, real, (lb, pos0), window, (xs, vs, sink_pos, sink_exists) if sinks > 0 else None, chunk_size)
     return Call(b, h, n, hkv, g, ct, root, p0, pos0, (sink_k, sink_v, sink_pos, sink_exists), lk_raw, lv_raw, lkf_raw, real, feat,
                  xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact)
 
