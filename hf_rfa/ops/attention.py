@@ -265,7 +265,7 @@ def _blockwise(q, k, v, feature_map, km, call: CallPlan, inputs: tuple, nq: int)
     parts: list[Partial] = []
     if native_band:
         spos, sok = sink_positions(km, b, nk, sinks, q.device) if sinks > 0 else (None, None)
-        num, den, ls = native.causal_band(q, k, v, call.scale, km, window, spos, sok, call.spec.chunk_size, exp_floor(torch.float32))
+        num, den, ls = native.causal_band(q, k, v, call.scale, km, window, (spos, sok), native.KernelRun(call.spec.chunk_size, exp_floor(torch.float32)))
         parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
     elif call.exact:
         parts.append(_exact_band(xq.reshape(b, hkv, g, n, d), xk, vv, km, call, nq))

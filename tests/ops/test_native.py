@@ -301,7 +301,7 @@ def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
     scale = d**-0.5
     root = scale**0.5
     spos, sok = sink_positions(mask, b, n, sinks, q.device) if sinks else (None, None)
-    num, den, ls = native.causal_band(q, k, v, scale, mask, window, spos, sok, chunk, exp_floor(torch.float32))
+    num, den, ls = native.causal_band(q, k, v, scale, mask, window, (spos, sok), native.KernelRun(chunk, exp_floor(torch.float32)))
     twin = exact_local((q * root).reshape(b, hkv, h // hkv, n, d), k * root, v, mask, Band(window, sinks, True, chunk))
     g = h // hkv
     ls, den, num = ls.view(b, hkv, g, n), den.view(b, hkv, g, n), num.view(b, hkv, g, n, d)
@@ -445,7 +445,7 @@ def test_segmented_scan_matches_one_pass(segments, pytorch_path):
     for p in (1, segments):
         S = torch.cat([st0.S, st0.z.unsqueeze(-1)], dim=-1).contiguous()
         ref = st0.ref.clone()
-        o, mt, lq = native.causal_positive(q, k, v, fm.native_params(0.5), mask, lk_add, S, ref, 16, None, exp_floor(torch.float32), segments=p)
+        o, mt, lq = native.causal_positive(q, k, v, fm.native_params(0.5), (mask, lk_add), (S, ref), native.KernelRun(16, exp_floor(torch.float32), None, segments=p))
         outs.append((o, mt, lq, S, ref))
     (o1, mt1, lq1, S1, r1), (o2, mt2, lq2, S2, r2) = outs
     assert torch.equal(mt1, mt2) and torch.equal(lq1, lq2) and torch.equal(r1, r2)

@@ -134,7 +134,7 @@ def test_native_kernel_refuses_bad_sizes_instead_of_crashing(backend):
         q, k, v = _qkv(b=b, hkv=hkv)
         S, ref = torch.zeros(b, hkv, 8, 9), torch.zeros(b, hkv)
         try:
-            native.causal_positive(q, k, v, params, None, None, S, ref, chunk, 1e-20, -80.0)
+            native.causal_positive(q, k, v, params, (None, None), (S, ref), native.KernelRun(chunk, -80.0, 1e-20))
         except RuntimeError as e:
             assert "chunk" in str(e)
         else:

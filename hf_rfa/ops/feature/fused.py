@@ -148,7 +148,8 @@ def _native_causal(params, tokens: Tokens, chunk_size: int, state: LinearState, 
     g = h // hkv
     S, ref = state_matrix(state, True)
     S, ref = S.to(torch.float32).contiguous(), ref.to(torch.float32).clone()  # updated in place
-    o, mt, lq = native.causal_positive(xq, xk, v, params, key_mask, lk_add, S, ref, chunk_size, eps if out is not None else None, exp_floor(torch.float32), dest=out)
+    run = native.KernelRun(chunk_size, exp_floor(torch.float32), eps if out is not None else None)
+    o, mt, lq = native.causal_positive(xq, xk, v, params, (key_mask, lk_add), (S, ref), run, dest=out)
     st = LinearState(S[..., :dv], S[..., dv], ref, state.log_gate_sum)
     if out is not None:
         return None, st

@@ -194,7 +194,7 @@ def _native_band(spec: HybridSpec, q, k, v) -> tuple[torch.Tensor, torch.Tensor,
     """The exact band's ``(num [B,Hkv,G,N,Dv], den [B,Hkv,G,N], ls)`` for every query at once, by
     the C++ kernel (float32; forward only: backward recomputes the band per block in PyTorch)."""
     plan = spec.plan
-    num, den, ls = native.causal_band(q, k, v, spec.root**2, plan.key_mask, plan.window, plan.spos, plan.sexists, plan.c, exp_floor(torch.float32))
+    num, den, ls = native.causal_band(q, k, v, spec.root**2, plan.key_mask, plan.window, (plan.spos, plan.sexists), native.KernelRun(plan.c, exp_floor(torch.float32)))
     shape = (plan.b, plan.hkv, plan.g, plan.n)
     return num.view(*shape, -1), den.view(shape), ls.view(shape)
 

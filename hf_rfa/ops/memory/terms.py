@@ -185,7 +185,7 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
     if window > 0 or sinks > 0:  # window band + sinks: independent of the memory
         if p0 == 0 and settings.native_band:  # a prefill: the band of the op without memory (same terms)
             spos, sok = sink_positions(km, b, n, sinks, dev) if sinks > 0 else (None, None)
-            num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
+            num, den, ls = native.causal_band(q, k, v, scale, km, window, (spos, sok), native.KernelRun(chunk_size, exp_floor(torch.float32)))
             exact = Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n))
         elif p0 == 0:
             exact = exact_local(xqg, xk, vv, km, Band(window, sinks, True, chunk_size))
