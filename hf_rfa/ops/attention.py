@@ -17,7 +17,7 @@ from .backends import gpu, honoured, native, resolve
 from .band.exact import exact_local, exact_local_last
 from .band.plan import Band
 from .feature.bidirectional import bidirectional_feature_attention
-from .feature.fused import causal_feature_attention, fold_keys
+from .feature.fused import ScanRun, causal_feature_attention, fold_keys
 from .feature.linear import bidirectional_window_parts, shift_keys
 from .hybrid.function import HybridArgs, hybrid_attention
 from .masks import NEG, check_feature_inputs, check_feature_map, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, saturate_grad, sink_mask, sink_positions, to_output_dtype, validate_qkv
@@ -322,7 +322,8 @@ def _causal_feature_part(feature_map, inputs: tuple, feat_mask, gates: tuple, ca
         state = fold_keys(feature_map, ks[:, :, :p0], vs[:, :, :p0], kmask[:, :p0] if kmask is not None else None, lka[..., :p0] if lka is not None else None, x_scale=root)
         cut = lambda x, dim=2: x.narrow(dim, p0, nq) if x is not None else None  # noqa: E731
         qs, ks, vs, kmask, lqs, lka = cut(fq_in), cut(ks), cut(vs), cut(kmask, 1), cut(lq_add, -1), cut(lka, -1)
-    return causal_feature_attention(feature_map, qs, ks, vs, kmask, lqs, lka, call.spec.chunk_size, x_scale=root, out=out, checkpoint=call.spec.checkpoint_blocks, backend=call.backend, state=state)[0]
+    run = ScanRun(call.spec.chunk_size, x_scale=root, checkpoint=call.spec.checkpoint_blocks, backend=call.backend)
+    return causal_feature_attention(feature_map, qs, ks, vs, (kmask, lqs, lka), run, state=state, out=out)[0]
 
 
 def _whole_features(feature_map, xq_f, xk_f, feat_mask) -> tuple:

@@ -39,7 +39,7 @@ def _map(kind: str, dtype=torch.float64):
 
 def _state(fm, sinks, memory, dtype, feature_keys):
     ct = torch.float64 if dtype == torch.float64 else torch.float32
-    return MemoryState.empty(B, HKV, D, D, fm.feature_dim, sinks, memory, dtype, None, ct, feature_keys=feature_keys)
+    return MemoryState.empty((B, HKV, D, D, fm.feature_dim), sinks, memory, dtype, None, ct, feature_keys=feature_keys)
 
 
 def _both(fm, q, k, v, fq, fk, mask, window, sinks, memory, every, score, splits):
@@ -143,5 +143,5 @@ def test_prefill_and_long_continuations_use_the_periods(monkeypatch):
     from hf_rfa.ops.memory import continue_memory_attention
 
     for s in (20, 8, 1):
-        _, st = continue_memory_attention(st, q[:, :, :s], k[:, :, :s], v[:, :, :s], fm, mask[:, :s], 5, 2, 4, 8)
+        _, st = continue_memory_attention(st, q[:, :, :s], k[:, :, :s], v[:, :, :s], fm, mask[:, :s], MemoryCall(5, 2, 4, 8))
     assert calls == [40, 20]

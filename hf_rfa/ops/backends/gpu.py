@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..feature.fused import causal_feature_attention
+from ..feature.fused import ScanRun, causal_feature_attention
 from ..feature.linear import shift_keys
 from ..masks import sink_mask, to_output_dtype
 from ..partial import Partial, finalize, merge
@@ -162,7 +162,8 @@ def _torch_feature_part(feature_map, inputs: tuple, masks: tuple, window: int, c
         real = feat_mask if feat_mask is not None else torch.ones(b, n, dtype=torch.bool, device=fk_in.device)
         kmask = shift_keys(real, window, False, dim=1)
     scan_be = "torch" if grad else "inference"
-    part, _ = causal_feature_attention(feature_map, fq_in, ks, vs, kmask, lq_add, lk_add, call.spec.chunk_size, x_scale=root, checkpoint=call.spec.checkpoint_blocks, backend=scan_be)
+    run = ScanRun(call.spec.chunk_size, x_scale=root, checkpoint=call.spec.checkpoint_blocks, backend=scan_be)
+    part, _ = causal_feature_attention(feature_map, fq_in, ks, vs, (kmask, lq_add, lk_add), run)
     return part
 
 

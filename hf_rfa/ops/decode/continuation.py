@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
-from ..backends import honours_backend, resolve
-from ..feature.fused import causal_feature_attention
+from ..backends import honoured, resolve
+from ..feature.fused import ScanRun, causal_feature_attention
 from ..masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
 from ..partial import Partial, finalize, merge
 from ..recurrent import LinearState, fold, read
@@ -119,7 +118,7 @@ def _feature_part(feature_map, linear: LinearState, blk: "_Block", gates: tuple,
         if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls
             logger.debug("continue_attention: feature scan of %d key(s) by backend %s (requested %s)", e, be, backend)
         part, linear = causal_feature_attention(
-            feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear, backend=be,
+            feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], (feat[:, :e], lq_add, lk_add), ScanRun(chunk_size, backend=be), state=linear,
         )
         feats.append(part)
     part = Partial(
@@ -131,8 +130,20 @@ def _feature_part(feature_map, linear: LinearState, blk: "_Block", gates: tuple,
 
 
 
+@dataclass(frozen=True)
+class DecodeCall:
+    """The settings of :func:`continue_attention` (as in ``random_feature_attention``): the exact
+    window W, the sinks S, the logit ``scale`` (None: ``D ** -0.5``), the chunk length and the
+    requested backend. Checked by the call (ValueError naming the field)."""
+
+    window: int = 0
+    sinks: int = 0
+    scale: float | None = None
+    chunk_size: int = 64
+    backend: str = "auto"
+
+
 @no_autocast
-@honours_backend
 def continue_attention(
     state: DecodeState,
     q: torch.Tensor,
@@ -140,14 +151,8 @@ def continue_attention(
     v: torch.Tensor,
     feature_map,
     attention_mask: torch.Tensor | None = None,
-    window: int = 0,
-    sinks: int = 0,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    backend: str = "auto",
-    feature_q: torch.Tensor | None = None,
-    feature_k: torch.Tensor | None = None,
-    feature_key_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    settings: DecodeCall | None = None,
+    features: tuple = (None, None, None),
 ) -> tuple[torch.Tensor, DecodeState]:
     """Causal attention of ``n`` new tokens given the summarised past.
 
@@ -156,10 +161,11 @@ def continue_attention(
         q: ``[B, H, n, D]`` new queries; k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]`` new keys/values.
         feature_map: the layer's :class:`~hf_rfa.feature_maps.FeatureMap`.
         attention_mask: ``[B, n]`` padding mask of the new tokens (1/True = real) or None.
-        window, sinks, scale, chunk_size: as in ``random_feature_attention``.
-        backend: as in ``random_feature_attention`` (the same rule and refusals,
-            :func:`hf_rfa.ops.backends.resolve`; logged at DEBUG): it runs the feature scan of a
-            prefill / multi-token chunk; a single decoding step is the recurrent form.
+        settings: the layer's :class:`DecodeCall` (None: its defaults) — window, sinks, scale,
+            chunk_size as in ``random_feature_attention``, and backend as there (the same rule and
+            refusals, :func:`hf_rfa.ops.backends.resolve`; logged at DEBUG): it runs the feature
+            scan of a prefill / multi-token chunk; a single decoding step is the recurrent form.
+        features: ``(feature_q, feature_k, feature_key_fn)``, each or all None:
         feature_q, feature_k: the feature part's inputs for the new tokens (shapes of q, k), as in
             ``random_feature_attention``; the state must then keep them for its window
             (``DecodeState.empty(..., feature_keys=True)``), and every call must give them.
@@ -184,6 +190,18 @@ def continue_attention(
     (:func:`~hf_rfa.ops.masks.guard_continuation`: the state itself stays finite); a float16
     output is clamped to float16's range.
     """
+    settings = DecodeCall() if settings is None else settings
+    if not isinstance(settings, DecodeCall):
+        raise ValueError(f"settings must be a DecodeCall (window, sinks, scale, chunk_size, backend) or None, got {type(settings).__name__}")
+    with honoured(settings.backend):  # (another backend asked: no compiled kernel even where enabled)
+        return _continue(state, (q, k, v), feature_map, attention_mask, settings, features)
+
+
+def _continue(state: DecodeState, qkv: tuple, feature_map, attention_mask, settings: DecodeCall, features: tuple) -> tuple[torch.Tensor, DecodeState]:
+    """:func:`continue_attention` (its arguments, ``qkv = (q, k, v)``)."""
+    q, k, v = qkv
+    window, sinks, scale, chunk_size, backend = settings.window, settings.sinks, settings.scale, settings.chunk_size, settings.backend
+    feature_q, feature_k, feature_key_fn = features
     b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, (window, sinks, scale, chunk_size))
     feature_q, feature_k = _check_feature_inputs(state, q, k, feature_q, feature_k, feature_key_fn)
     if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
@@ -252,7 +270,7 @@ def _check_feature_inputs(state: DecodeState, q, k, feature_q, feature_k, featur
         raise ValueError(
             "feature_q/feature_k must be given exactly when the state keeps feature keys "
             f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
-            + ("; or pass feature_key_fn= with a state without them" if feature_k is None else "")
+            + ("; or pass feature_key_fn= (the third of features) with a state without them" if feature_k is None else "")
         )
     return feature_q, feature_k
 
@@ -377,4 +395,4 @@ def _next_state(state: DecodeState, blk: _Block, linear: LinearState, win_decay,
     )
 
 
-__all__ = ["DecodeState", "continue_attention"]
+__all__ = ["DecodeCall", "DecodeState", "continue_attention"]

@@ -34,7 +34,7 @@ class DecodeState:
     seen:        positions seen so far, padding included (the sequence length).
     win_kf:      ``[B, Hkv, Wc, D]`` the feature part's keys of the kept positions (``feature_k``,
                  e.g. un-rotated keys), or None when the feature part reads the keys themselves
-                 or derives them from ``win_k`` (``continue_attention(feature_key_fn=)``: the
+                 or derives them from ``win_k`` (``continue_attention``'s ``feature_key_fn``: the
                  state is then exactly the plain one, nothing per layer added).
     """
 
@@ -56,21 +56,19 @@ class DecodeState:
     @classmethod
     def empty(
         cls,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        value_dim: int,
-        feature_dim: int,
+        shape: tuple[int, int, int, int, int],
         sinks: int,
         dtype: torch.dtype,
         device=None,
         compute_dtype: torch.dtype = torch.float32,
         feature_keys: bool = False,
     ) -> "DecodeState":
-        """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``;
-        ``feature_keys``: also keep the window's feature-part keys (``continue_attention(feature_k=)``;
-        not for ``feature_key_fn=``, which derives them from the kept keys)."""
-        b, h = batch, kv_heads
+        """State before the first token for ``shape = (batch, kv_heads, head_dim, value_dim,
+        feature_dim)`` and ``sinks`` sink slots: key/value buffers in ``dtype``, sums in
+        ``compute_dtype``; ``feature_keys``: also keep the window's feature-part keys
+        (``continue_attention`` given ``feature_k``; not for a ``feature_key_fn``, which derives
+        them from the kept keys)."""
+        b, h, head_dim, value_dim, feature_dim = shape
         return cls(
             linear=LinearState.zeros(b, h, feature_dim, value_dim, device=device, dtype=compute_dtype),
             win_k=torch.zeros(b, h, 0, head_dim, dtype=dtype, device=device),

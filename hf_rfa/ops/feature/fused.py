@@ -15,6 +15,8 @@ backend chosen (:func:`hf_rfa.ops.backends.resolve`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..backends import native, resolve
@@ -28,38 +30,51 @@ from .recompute import ScanFunction
 from .scan import ScanSpec, causal_scan, plan_blocks, split_tokens, state_matrix
 
 
+@dataclass(frozen=True)
+class ScanRun:
+    """How :func:`causal_feature_attention` runs: the ``chunk_size`` of the chunkwise form, the
+    ``block_size`` of the scan (None: :data:`~hf_rfa.ops.feature.scan.DEFAULT_BLOCK_SIZE`), the
+    factor ``x_scale`` applied to q/k before the feature map, ``checkpoint`` (the recomputing
+    training Function) and the ``backend`` chosen (None: ``"auto"`` for the inputs)."""
+
+    chunk_size: int = 64
+    block_size: int | None = None
+    x_scale: float = 1.0
+    checkpoint: bool = False
+    backend: str | None = None
+
+
 def causal_feature_attention(
     feature_map,
     xq: torch.Tensor,
     xk: torch.Tensor,
     v: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
-    lq_add: torch.Tensor | None = None,
-    lk_add: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    terms: tuple = (None, None, None),
+    run: ScanRun | None = None,
     state: LinearState | None = None,
-    block_size: int | None = None,
-    x_scale: float = 1.0,
     out: torch.Tensor | None = None,
-    checkpoint: bool = False,
-    backend: str | None = None,
 ) -> tuple[Partial | None, LinearState]:
     """Fused features + causal linear attention: the feature map is applied block by block.
 
-    xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (multiplied by ``x_scale`` block by block before the
-    feature map: pass √scale here, or 1.0 for inputs already scaled), v ``[B, Hkv, N, Dv]``
-    (low-precision q/k/v are converted to float32 block by block, never as a whole),
-    key_mask ``[B, N]`` bool (False: key skipped) or None, optional log-scale offsets added to the
-    features' (gated maps): ``lq_add [B, Hkv, G, N]``, ``lk_add [B, Hkv, N]``. Equivalent to
+    xq ``[B, H, N, D]``, xk ``[B, Hkv, N, D]`` (multiplied by ``run.x_scale`` block by block before the
+    feature map: pass √scale there, or 1.0 for inputs already scaled), v ``[B, Hkv, N, Dv]``
+    (low-precision q/k/v are converted to float32 block by block, never as a whole), ``terms =
+    (key_mask, lq_add, lk_add)`` (each or all None): key_mask ``[B, N]`` bool (False: key skipped),
+    optional log-scale offsets added to the features' (gated maps): ``lq_add [B, Hkv, G, N]``,
+    ``lk_add [B, Hkv, N]``; ``run``: chunk and block sizes, ``x_scale``, ``checkpoint`` and
+    ``backend`` (:class:`ScanRun`; None: its defaults). Equivalent to
     computing ``qf, lq, kf, lk`` over the whole sequence (as ``random_feature_attention`` does),
     masking, and calling :func:`hf_rfa.ops.feature.linear.causal_linear`, but never holds ``[N, F]``
-    features. Requires a per-token feature map (every map in this package is). ``checkpoint``:
+    features. Requires a per-token feature map (every map in this package is). ``run.checkpoint``:
     with autograd (and a state that needs no gradient), save only the inputs and each block's
     incoming state, and recompute the block's features and products in backward
-    (:mod:`hf_rfa.ops.feature.recompute`). ``backend``: the one :func:`hf_rfa.ops.backends.resolve`
-    chose (None: ``"auto"`` for these inputs). ``out [B, Hkv, G, N, Dv]``: write the normalised
-    output there and return None for the Partial.
+    (:mod:`hf_rfa.ops.feature.recompute`). ``run.backend``: the one :func:`hf_rfa.ops.backends.resolve`
+    chose (None: ``"auto"`` for these inputs). ``state``: the state to continue (None: empty).
+    ``out [B, Hkv, G, N, Dv]``: write the normalised output there and return None for the Partial.
     """
+    run = ScanRun() if run is None else run
+    key_mask, lq_add, lk_add = terms
+    chunk_size, block_size, x_scale, checkpoint, backend = run.chunk_size, run.block_size, run.x_scale, run.checkpoint, run.backend
     b, h, n, _ = xq.shape
     hkv = xk.shape[1]
     g = h // hkv
@@ -160,4 +175,4 @@ def _native_causal(params, tokens: Tokens, chunk_size: int, state: LinearState, 
     return Partial(o[..., :dv], o[..., dv], ls), st
 
 
-__all__ = ["causal_feature_attention", "fold_keys"]
+__all__ = ["ScanRun", "causal_feature_attention", "fold_keys"]

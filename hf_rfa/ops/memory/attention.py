@@ -114,7 +114,7 @@ def memory_attention(
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     spec = call.spec
     settings = MemoryCall(call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score)
-    state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, call.sinks, spec.memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
+    state = MemoryState.empty((b, hkv, d, dv, feature_map.feature_dim), call.sinks, spec.memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
     out, _ = _dispatch(state, q, k, v, km, feature_map, settings, (feature_q, feature_k))
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
 
@@ -173,15 +173,8 @@ def continue_memory_attention(
     v: torch.Tensor,
     feature_map,
     attention_mask: torch.Tensor | None = None,
-    window: int = 0,
-    sinks: int = 0,
-    memory: int = 1,
-    memory_every: int = 64,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    memory_score: str = "value_norm",
-    feature_q: torch.Tensor | None = None,
-    feature_k: torch.Tensor | None = None,
+    settings: MemoryCall | None = None,
+    features: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, MemoryState]:
     """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
     :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
@@ -189,12 +182,18 @@ def continue_memory_attention(
     would).
 
     q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]``, attention_mask ``[B, n]`` →
-    ``(out [B, H, n, Dv]`` in q's dtype, new state). Any split of a sequence into calls gives the
-    outputs of one :func:`memory_attention` over it (up to float rounding). ``feature_q``/
-    ``feature_k`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
+    ``(out [B, H, n, Dv]`` in q's dtype, new state). ``settings``: the layer's window, sinks,
+    memory, memory_every, memory_score, chunk size and the logit scale (None: ``D ** -0.5``) as one
+    :class:`~hf_rfa.ops.memory.state.MemoryCall` (None: its defaults; ``native_band`` is a
+    prefill's and ignored here). Any split of a sequence into calls gives the outputs of one
+    :func:`memory_attention` over it (up to float rounding). ``features = (feature_q,
+    feature_k)`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
     state was built with ``feature_keys=True``.
     """
-    settings = MemoryCall(window, sinks, memory, memory_every, scale, chunk_size, False, memory_score)
+    if settings is not None and not isinstance(settings, MemoryCall):
+        raise ValueError(f"settings must be a MemoryCall (window, sinks, memory, memory_every, scale, chunk_size, memory_score) or None, got {type(settings).__name__}")
+    settings = replace(MemoryCall() if settings is None else settings, native_band=False)
+    scale, (feature_q, feature_k) = settings.scale, features
     b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, settings, (feature_q, feature_k))
     if b == 0 or n == 0:
         return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
@@ -210,4 +209,4 @@ def continue_memory_attention(
     return to_output_dtype(out, q.dtype), new
 
 
-__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
+__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryCall", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
