@@ -32,7 +32,7 @@ How it plugs in (transformers 5.24):
 ``feature_input="unrotated"`` (the feature part reads q/k before the rotary embedding): a layer's
 state is exactly the one of the rotated recipe — the window keeps the rotated keys only, and the
 keys of the local block (kept window + new tokens) are un-rotated again where the feature part
-needs them (``continue_attention(feature_key_fn=)``). The rotations this needs, ``(cos, sin)`` of
+needs them (``continue_attention``'s ``feature_key_fn``). The rotations this needs, ``(cos, sin)`` of
 the last ``W`` positions, are the same in every layer: the cache keeps them once, in one
 :class:`RopeRing` shared by all layers (``2·W·Dr`` numbers per batch row, or for the whole batch
 when the positions are the same in every row), counted once in ``nbytes()``.
@@ -53,9 +53,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
-from ..ops.decode import DecodeState, continue_attention
+from ..ops.decode import DecodeCall, DecodeState, continue_attention
 from ..ops.masks import validate_qkv
-from ..ops.memory import MemoryState, continue_memory_attention
+from ..ops.memory import MemoryCall, MemoryState, continue_memory_attention
 from .rope import unrotate
 
 logger = logging.getLogger(__name__)
@@ -224,12 +224,12 @@ class RFACacheLayer(CacheLayerMixin):
             ct = torch.float64 if query.dtype == torch.float64 else torch.float32
             if memory > 0:  # exact global memory: its own state (ops.memory), at most `memory` keys per kv head
                 self.state = MemoryState.empty(
-                    b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, memory, key.dtype, key.device, compute_dtype=ct,
+                    (b, hkv, d, value.shape[-1], fm.feature_dim), rfa.sinks, memory, key.dtype, key.device, compute_dtype=ct,
                     feature_keys=feature_q is not None,  # un-rotated keys of the buffer and the memory
                 )
             else:
                 self.state = DecodeState.empty(
-                    b, hkv, d, value.shape[-1], fm.feature_dim, rfa.sinks, key.dtype, key.device, compute_dtype=ct,
+                    (b, hkv, d, value.shape[-1], fm.feature_dim), rfa.sinks, key.dtype, key.device, compute_dtype=ct,
                     feature_keys=feature_k is not None,  # rope: un-rotated from win_k, nothing kept
                 )
         if self.state.seen + key.shape[2] != self.cumulative_length:
@@ -240,11 +240,11 @@ class RFACacheLayer(CacheLayerMixin):
         if memory > 0:
             if rope is not None:  # the new keys un-rotated with their own (cos, sin)
                 feature_k = unrotate(key, *rope)
-            out, self.state = continue_memory_attention(
-                self.state, query, key, value, fm, attention_mask, window=rfa.window, sinks=rfa.sinks,
-                memory=memory, memory_every=rfa.memory_every, scale=scale, chunk_size=rfa.chunk_size,
-                memory_score=getattr(rfa, "memory_score", "value_norm"), feature_q=feature_q, feature_k=feature_k,
+            settings = MemoryCall(
+                window=rfa.window, sinks=rfa.sinks, memory=memory, memory_every=rfa.memory_every, scale=scale,
+                chunk_size=rfa.chunk_size, memory_score=getattr(rfa, "memory_score", "value_norm"),
             )
+            out, self.state = continue_memory_attention(self.state, query, key, value, fm, attention_mask, settings, (feature_q, feature_k))
             self._pending = False
             return out
         key_fn = None
@@ -256,11 +256,8 @@ class RFACacheLayer(CacheLayerMixin):
             def key_fn(keys: torch.Tensor) -> torch.Tensor:  # the local block's keys, un-rotated
                 return unrotate(keys, cos, sin)
 
-        out, self.state = continue_attention(
-            self.state, query, key, value, fm, attention_mask,
-            window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend,
-            feature_q=feature_q, feature_k=feature_k, feature_key_fn=key_fn,
-        )
+        settings = DecodeCall(window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend)
+        out, self.state = continue_attention(self.state, query, key, value, fm, attention_mask, settings, (feature_q, feature_k, key_fn))
         self._pending = False
         return out
 

@@ -15,10 +15,11 @@ import torch
 
 from .backends import gpu, honoured, native, resolve
 from .band.exact import exact_local, exact_local_last
+from .band.plan import Band
 from .feature.bidirectional import bidirectional_feature_attention
-from .feature.fused import causal_feature_attention, fold_keys
+from .feature.fused import ScanRun, causal_feature_attention, fold_keys
 from .feature.linear import bidirectional_window_parts, shift_keys
-from .hybrid.function import hybrid_attention
+from .hybrid.function import HybridArgs, hybrid_attention
 from .masks import NEG, check_feature_inputs, check_feature_map, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, saturate_grad, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import memory_attention
 from .partial import Partial, finalize, last_rows, merge
@@ -150,9 +151,9 @@ def attend(
         feature_q, feature_k, poison = guard_feature_inputs(feature_q, feature_k, km, causal, poison)
     if call.backend in gpu.GPU_ORDER:  # FlexAttention band / fla scan (hf_rfa.ops.backends.gpu)
         grad = _grad(q, k, v, feature_map, feature_q, feature_k)
-        out = gpu.attention(q, k, v, feature_map, km, window=call.window, sinks=call.sinks, scale=call.scale, chunk_size=spec.chunk_size, checkpoint=spec.checkpoint_blocks, backend=call.backend, grad=grad, feature_q=feature_q, feature_k=feature_k, feature_rope=feature_rope)
+        out = gpu.attention(q, k, v, feature_map, km, call, grad=grad, features=(feature_q, feature_k, feature_rope))
     elif spec.memory > 0:  # exact memory: its own PyTorch form (hf_rfa.ops.memory)
-        out = memory_attention(q, k, v, feature_map, km, call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score, feature_q, feature_k)
+        out = memory_attention(q, k, v, feature_map, km, call, feature_q, feature_k)
     else:
         with honoured(spec.backend):  # (another backend asked: no compiled kernel even where enabled)
             out = _attention(q, k, v, feature_map, km, call, (feature_q, feature_k, feature_rope))
@@ -213,8 +214,7 @@ def _attention(q, k, v, feature_map, km, call: CallPlan, inputs: tuple) -> torch
         q = torch.cat([q.new_zeros(b, h, nk - nq, d), q], dim=2)
         if feature_q is not None:
             feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
-    s = call.spec
-    hybrid = _hybrid_function_applies(q, k, v, feature_map, call.causal, s.window, s.sinks, s.checkpoint_blocks, call.backend, call.native_band, feature_q, feature_k)
+    hybrid = _hybrid_function_applies(q, k, v, feature_map, call, feature_q, feature_k)
     if feature_rope is not None and not hybrid:  # only the recomputing hybrid un-rotates block by block
         feature_q, feature_k, feature_rope = unrotate(q, *feature_rope), unrotate(k, *feature_rope), None
     if hybrid:
@@ -265,7 +265,7 @@ def _blockwise(q, k, v, feature_map, km, call: CallPlan, inputs: tuple, nq: int)
     parts: list[Partial] = []
     if native_band:
         spos, sok = sink_positions(km, b, nk, sinks, q.device) if sinks > 0 else (None, None)
-        num, den, ls = native.causal_band(q, k, v, call.scale, km, window, spos, sok, call.spec.chunk_size, exp_floor(torch.float32))
+        num, den, ls = native.causal_band(q, k, v, call.scale, km, window, (spos, sok), native.KernelRun(call.spec.chunk_size, exp_floor(torch.float32)))
         parts.append(Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n)))
     elif call.exact:
         parts.append(_exact_band(xq.reshape(b, hkv, g, n, d), xk, vv, km, call, nq))
@@ -277,7 +277,7 @@ def _blockwise(q, k, v, feature_map, km, call: CallPlan, inputs: tuple, nq: int)
             # alone (no exact part to merge with), the output is normalised straight into place
             fused_out = q.new_empty(b, hkv, g, nq if causal else n, v.shape[-1], dtype=ct) if not parts else None
             if causal:
-                part = _causal_feature_part(feature_map, fk_in, vv, feat_mask, (lq_add, lk_add), call, fq_in, nq, fused_out)
+                part = _causal_feature_part(feature_map, (fq_in, fk_in, vv), feat_mask, (lq_add, lk_add), call, nq, fused_out)
             else:
                 part = bidirectional_feature_attention(feature_map, fq_in, fk_in, vv, feat_mask, x_scale=root, out=fused_out)
             if part is not None:
@@ -298,15 +298,17 @@ def _exact_band(xq, xk, vv, km, call: CallPlan, nq: int) -> Partial:
     n = xq.shape[3]
     recompute = call.spec.checkpoint_blocks
     if call.causal and nq < n:
-        return exact_local_last(xq, xk, vv, km, call.window, call.sinks, nq, call.spec.chunk_size, recompute=recompute)
-    return exact_local(xq, xk, vv, km, call.window, call.sinks, call.causal, call.spec.chunk_size, recompute=recompute)
+        return exact_local_last(xq, xk, vv, km, Band(call.window, call.sinks, True, call.spec.chunk_size), nq, recompute=recompute)
+    return exact_local(xq, xk, vv, km, Band(call.window, call.sinks, call.causal, call.spec.chunk_size), recompute=recompute)
 
 
-def _causal_feature_part(feature_map, fk_in, vv, feat_mask, gates: tuple, call: CallPlan, fq_in, nq: int, out) -> Partial | None:
+def _causal_feature_part(feature_map, inputs: tuple, feat_mask, gates: tuple, call: CallPlan, nq: int, out) -> Partial | None:
     """The causal feature part by :func:`~hf_rfa.ops.feature.fused.causal_feature_attention`:
     query t sees keys s <= t − W (keys, values, mask and key gate term shifted by W); with fewer
     queries than keys the keys they all see are folded at once (:func:`~hf_rfa.ops.feature.fused.fold_keys`).
-    ``gates = (lq_add, lk_add)`` or Nones; ``out``: where to normalise into (or None)."""
+    ``inputs = (fq_in, fk_in, vv)``: what the feature map reads and the values; ``gates =
+    (lq_add, lk_add)`` or Nones; ``out``: where to normalise into (or None)."""
+    fq_in, fk_in, vv = inputs
     lq_add, lk_add = gates
     window, root, n = call.window, call.scale**0.5, fk_in.shape[2]
     ks, vs, kmask, lka = fk_in, vv, feat_mask, lk_add
@@ -320,7 +322,8 @@ def _causal_feature_part(feature_map, fk_in, vv, feat_mask, gates: tuple, call: 
         state = fold_keys(feature_map, ks[:, :, :p0], vs[:, :, :p0], kmask[:, :p0] if kmask is not None else None, lka[..., :p0] if lka is not None else None, x_scale=root)
         cut = lambda x, dim=2: x.narrow(dim, p0, nq) if x is not None else None  # noqa: E731
         qs, ks, vs, kmask, lqs, lka = cut(fq_in), cut(ks), cut(vs), cut(kmask, 1), cut(lq_add, -1), cut(lka, -1)
-    return causal_feature_attention(feature_map, qs, ks, vs, kmask, lqs, lka, call.spec.chunk_size, x_scale=root, out=out, checkpoint=call.spec.checkpoint_blocks, backend=call.backend, state=state)[0]
+    run = ScanRun(call.spec.chunk_size, x_scale=root, checkpoint=call.spec.checkpoint_blocks, backend=call.backend)
+    return causal_feature_attention(feature_map, qs, ks, vs, (kmask, lqs, lka), run, state=state, out=out)[0]
 
 
 def _whole_features(feature_map, xq_f, xk_f, feat_mask) -> tuple:
@@ -341,13 +344,14 @@ def _whole_features(feature_map, xq_f, xk_f, feat_mask) -> tuple:
     return qf, lq, kf, lk
 
 
-def _hybrid_function_applies(q, k, v, feature_map, causal: bool, window: int, sinks: int, checkpoint_blocks: bool, be: str, native_band: bool, feature_q=None, feature_k=None) -> bool:
-    """Whether the call is a causal hybrid in training with ``checkpoint_blocks``: it then runs as
-    one recomputing :class:`~hf_rfa.ops.hybrid.function.HybridFunction` (q, k, v — and the
-    feature inputs ``feature_q``/``feature_k`` when given — saved once)."""
-    if not (causal and checkpoint_blocks and (window > 0 or sinks > 0)) or be != "torch":
+def _hybrid_function_applies(q, k, v, feature_map, call: CallPlan, feature_q=None, feature_k=None) -> bool:
+    """Whether the call (its :class:`~hf_rfa.ops.spec.CallPlan`) is a causal hybrid in training
+    with ``checkpoint_blocks``: it then runs as one recomputing
+    :class:`~hf_rfa.ops.hybrid.function.HybridFunction` (q, k, v — and the feature inputs
+    ``feature_q``/``feature_k`` when given — saved once)."""
+    if not (call.causal and call.spec.checkpoint_blocks and call.exact) or call.backend != "torch":
         return False
-    if native_band:  # the band's inputs need no gradient: its compiled kernel answers it
+    if call.native_band:  # the band's inputs need no gradient: its compiled kernel answers it
         return False
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     return needs_grad(q, k, v, feature_q, feature_k, *params)
@@ -375,7 +379,8 @@ def _hybrid_training(q, k, v, feature_map, km, call: CallPlan, inputs: tuple) ->
             lk_add, lq_add = _gate_terms(feature_map, gk * scale**0.5, km)
     else:
         feature_q = feature_k = feature_rope = None
-    return hybrid_attention(q, k, v, feature_map, km, feat_mask, window, sinks, scale, call.spec.chunk_size, lq_add=lq_add, lk_add=lk_add, feature=feature, feature_q=feature_q, feature_k=feature_k, rope=feature_rope, native_band=call.native_forward)
+    args = HybridArgs(km, feat_mask, lq_add, lk_add, feature_q, feature_k, feature_rope)
+    return hybrid_attention(q, k, v, feature_map, call, args, feature)
 
 
 def _gate_terms(feature_map, xk: torch.Tensor, km: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from transformers.generation.configuration_utils import GenerationMode
 import hf_rfa
 from hf_rfa.recipes.training.peft_utils import lora_config
 from hf_rfa.hf.cache import RFACacheLayer
-from hf_rfa.ops.decode import DecodeState, continue_attention
+from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 from conftest import rel
 from tiny_models import CAUSAL, tiny_model
 from tiny_models import batch as tiny_batch
@@ -65,11 +65,10 @@ def test_continue_attention_matches_full_sequence(name, window, sinks, gate, spl
     mask[1, :5] = False  # left padding: sinks are the first real tokens, padding never decays
     fm = _fm(name, gate, h, hkv, d)
     ref = hf_rfa.random_feature_attention(q, k, v, fm, causal=True, attention_mask=mask, window=window, sinks=sinks, chunk_size=8)
-    state = DecodeState.empty(b, hkv, d, d, fm.feature_dim, sinks, torch.float32)
+    state = DecodeState.empty((b, hkv, d, d, fm.feature_dim), sinks, torch.float32)
     outs, i = [], 0
     for s in splits + [1] * (n - sum(splits)):
-        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm,
-                                      mask[:, i:i + s], window, sinks, chunk_size=8)
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], DecodeCall(window=window, sinks=sinks, chunk_size=8))
         outs.append(o)
         i += s
     assert state.seen == n and state.win_k.shape[2] == min(window, n)
@@ -79,33 +78,32 @@ def test_continue_attention_matches_full_sequence(name, window, sinks, gate, spl
 def test_decode_state_bytes_do_not_grow():
     b, h, d = 1, 2, 8
     fm = hf_rfa.build_feature_map("favor+", head_dim=d, num_features=16, seed=0)
-    state = DecodeState.empty(b, h, d, d, fm.feature_dim, 2, torch.float32)
+    state = DecodeState.empty((b, h, d, d, fm.feature_dim), 2, torch.float32)
     sizes = []
     for step in range(12):
         x = torch.randn(b, h, 1, d)
-        _, state = continue_attention(state, x, x, x, fm, window=4, sinks=2)
+        _, state = continue_attention(state, x, x, x, fm, None, DecodeCall(window=4, sinks=2))
         sizes.append(state.nbytes())
     assert sizes[4:] == [sizes[4]] * 8  # once the window is full, nothing grows
 
 
 def test_continue_attention_rejects_bad_input():
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
-    state = DecodeState.empty(1, 2, 8, 8, fm.feature_dim, 0, torch.float32)
+    state = DecodeState.empty((1, 2, 8, 8, fm.feature_dim), 0, torch.float32)
     x = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="attention_mask"):
-        continue_attention(state, x, x, x, fm, attention_mask=torch.ones(1, 5))
+        continue_attention(state, x, x, x, fm, torch.ones(1, 5))
     with pytest.raises(ValueError, match="sinks"):
-        continue_attention(state, x, x, x, fm, sinks=2)
+        continue_attention(state, x, x, x, fm, None, DecodeCall(sinks=2))
 
 
 def _decode(fm, q, k, v, mask, window, sinks, splits, state=None):
     """``continue_attention`` over ``splits`` (then single tokens): ``(out [B, H, N, Dv], state)``."""
     b, h, n, d = q.shape
-    state = state or DecodeState.empty(b, k.shape[1], d, v.shape[-1], fm.feature_dim, sinks, q.dtype)
+    state = state or DecodeState.empty((b, k.shape[1], d, v.shape[-1], fm.feature_dim), sinks, q.dtype)
     outs, i = [], 0
     for s in splits + [1] * (n - sum(splits)):
-        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm,
-                                      None if mask is None else mask[:, i:i + s], window, sinks, chunk_size=8)
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, None if mask is None else mask[:, i:i + s], DecodeCall(window=window, sinks=sinks, chunk_size=8))
         outs.append(o)
         i += s
     return torch.cat(outs, 2), state
@@ -175,13 +173,13 @@ def test_decode_fp16_signed_rfa_does_not_overflow(seed):
 
 def test_decode_empty_inputs():
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
-    state = DecodeState.empty(1, 2, 8, 8, fm.feature_dim, 1, torch.float32)
+    state = DecodeState.empty((1, 2, 8, 8, fm.feature_dim), 1, torch.float32)
     x = torch.randn(1, 2, 3, 8)
-    _, state = continue_attention(state, x, x, x, fm, window=2, sinks=1)
-    out, same = continue_attention(state, x[:, :, :0], x[:, :, :0], x[:, :, :0], fm, window=2, sinks=1)
+    _, state = continue_attention(state, x, x, x, fm, None, DecodeCall(window=2, sinks=1))
+    out, same = continue_attention(state, x[:, :, :0], x[:, :, :0], x[:, :, :0], fm, None, DecodeCall(window=2, sinks=1))
     assert out.shape == (1, 2, 0, 8) and same.seen == 3
-    empty = DecodeState.empty(0, 2, 8, 8, fm.feature_dim, 1, torch.float32)
-    out, after = continue_attention(empty, x[:0], x[:0], x[:0], fm, window=2, sinks=1)
+    empty = DecodeState.empty((0, 2, 8, 8, fm.feature_dim), 1, torch.float32)
+    out, after = continue_attention(empty, x[:0], x[:0], x[:0], fm, None, DecodeCall(window=2, sinks=1))
     assert out.shape == (0, 2, 3, 8) and after.seen == 3
 
 
@@ -212,15 +210,16 @@ BAD_DECODE = {
 def test_continue_attention_bad_arguments(case):
     """Every bad argument is a ValueError naming it (as for ``random_feature_attention``)."""
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=16, seed=0)
-    state = DecodeState.empty(1, 2, 8, 8, fm.feature_dim, 1, torch.float32)
+    state = DecodeState.empty((1, 2, 8, 8, fm.feature_dim), 1, torch.float32)
     x = torch.randn(1, 2, 3, 8)
-    _, state = continue_attention(state, x, x, x, fm, window=2, sinks=1)  # keeps 2 keys
+    _, state = continue_attention(state, x, x, x, fm, None, DecodeCall(window=2, sinks=1))  # keeps 2 keys
     y = torch.randn(1, 2, 1, 8)
     kw = dict(state=state, q=y, k=y, v=y, feature_map=fm, window=2, sinks=1)
     change, match = BAD_DECODE[case]
     kw.update(change)
+    settings = DecodeCall(**{key: kw.pop(key) for key in ("window", "sinks", "scale", "chunk_size") if key in kw})
     with pytest.raises(ValueError, match=match):
-        continue_attention(**kw)
+        continue_attention(**kw, settings=settings)
 
 
 def test_cache_layer_attend_refuses_bad_shapes():

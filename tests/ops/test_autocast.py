@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops.decode import DecodeState, continue_attention
+from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 from conftest import rel
 from tiny_models import batch, tiny_model
 from tolerances import LOW_PRECISION
@@ -69,11 +69,11 @@ def test_decode_under_autocast(name, dtype):
     outs = []
     for low in (True, False):
         qq, kk, vv = (x if low else x.float() for x in (q, k, v))
-        st = DecodeState.empty(2, 2, 16, 16, fm.feature_dim, 2, dtype=qq.dtype)
+        st = DecodeState.empty((2, 2, 16, 16, fm.feature_dim), 2, dtype=qq.dtype)
         parts = []
         with torch.autocast("cpu", dtype=dtype, enabled=low), torch.no_grad():
             for a, b in ((0, 20), (20, 30), (30, 31), (31, 37)):
-                o, st = continue_attention(st, qq[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], fm, window=5, sinks=2, chunk_size=8)
+                o, st = continue_attention(st, qq[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], fm, None, DecodeCall(window=5, sinks=2, chunk_size=8))
                 parts.append(o)
         assert st.linear.S.dtype == torch.float32
         outs.append(torch.cat(parts, dim=2))

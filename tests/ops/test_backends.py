@@ -118,13 +118,13 @@ def test_backend_per_config_reaches_every_layer(caplog):
 
 def _decode(fm, q, k, v, mask, backend, prefill=50, **kw):
     """A prefill of ``prefill`` tokens then one token at a time by ``continue_attention``."""
-    from hf_rfa.ops.decode import DecodeState, continue_attention
+    from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 
     b, hkv, n, d = k.shape
-    st = DecodeState.empty(b, hkv, d, v.shape[-1], fm.feature_dim, kw.get("sinks", 0), q.dtype)
+    st = DecodeState.empty((b, hkv, d, v.shape[-1], fm.feature_dim), kw.get("sinks", 0), q.dtype)
     outs = []
     for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, n)]:
-        out, st = continue_attention(st, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], fm, mask[:, t0:t1], backend=backend, **kw)
+        out, st = continue_attention(st, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], fm, mask[:, t0:t1], DecodeCall(backend=backend, **kw))
         outs.append(out)
     return torch.cat(outs, dim=2)
 

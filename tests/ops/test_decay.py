@@ -13,7 +13,7 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops import quadratic_kernel_attention
-from hf_rfa.ops.decode import DecodeState, continue_attention
+from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 from conftest import rel
 from tolerances import GRAD_FP64, ORACLE_FP32
 
@@ -104,10 +104,10 @@ def test_cached_decoding_matches_full_forward(splits, window, sinks):
     mask[1, :4] = False
     fm = _map("favor+", 5.0)
     full = hf_rfa.random_feature_attention(q, k, v, fm, causal=True, attention_mask=mask, window=window, sinks=sinks, chunk_size=8)
-    state = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float32)
+    state = DecodeState.empty((B, HKV, D, D, fm.feature_dim), sinks, torch.float32)
     outs, i = [], 0
     for s in splits + [1] * (n - sum(splits)):
-        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], window, sinks, chunk_size=8)
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], DecodeCall(window=window, sinks=sinks, chunk_size=8))
         outs.append(o)
         i += s
     assert rel(torch.cat(outs, 2), full) <= ORACLE_FP32

@@ -11,7 +11,7 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops import quadratic_kernel_attention, random_feature_attention
-from hf_rfa.ops.decode import DecodeState, continue_attention
+from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 from conftest import rel
 from tolerances import GRAD_FP64, ORACLE_FP32
 
@@ -134,18 +134,17 @@ def test_cached_decoding_equals_one_full_forward(name, kw, decay, window, sinks)
     fm = _map(name, decay, **kw)
     q, k, v, fq, fk, mask = _inputs(41, seed=4)
     full = random_feature_attention(q, k, v, fm, attention_mask=mask, window=window, sinks=sinks, chunk_size=8, feature_q=fq, feature_k=fk)
-    state = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float64, compute_dtype=torch.float64, feature_keys=True)
+    state = DecodeState.empty((B, HKV, D, D, fm.feature_dim), sinks, torch.float64, compute_dtype=torch.float64, feature_keys=True)
     outs, t = [], 0
     for step in (13, 1, 1, 7, 1, 18):
         sl = slice(t, t + step)
-        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=window, sinks=sinks,
-                                      chunk_size=8, feature_q=fq[:, :, sl], feature_k=fk[:, :, sl])
+        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], DecodeCall(window=window, sinks=sinks, chunk_size=8), (fq[:, :, sl], fk[:, :, sl], None))
         outs.append(o)
         t += step
     assert rel(torch.cat(outs, 2), full) <= 1e-12
     assert state.win_kf.shape == (B, HKV, min(window, 41), D)
-    plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float64, compute_dtype=torch.float64)
-    plain_state = continue_attention(plain, q, k, v, fm, mask, window=window, sinks=sinks, chunk_size=8)[1]
+    plain = DecodeState.empty((B, HKV, D, D, fm.feature_dim), sinks, torch.float64, compute_dtype=torch.float64)
+    plain_state = continue_attention(plain, q, k, v, fm, mask, DecodeCall(window=window, sinks=sinks, chunk_size=8))[1]
     assert state.nbytes() == plain_state.nbytes() + state.win_kf.numel() * 8  # the kept feature keys, nothing else
 
 
@@ -170,12 +169,12 @@ def test_bad_feature_inputs_are_refused():
         random_feature_attention(q, k, v, fm, feature_q=fq, feature_k=fk[:, :, :4])
     with pytest.raises(ValueError, match="feature_q must be a floating"):
         random_feature_attention(q, k, v, fm, feature_q=fq.long(), feature_k=fk)
-    plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32)
+    plain = DecodeState.empty((B, HKV, D, D, fm.feature_dim), 0, torch.float32)
     with pytest.raises(ValueError, match="feature_keys=True"):
-        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_k=fk)
-    keeping = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32, feature_keys=True)
+        continue_attention(plain, q, k, v, fm, None, DecodeCall(window=2), (fq, fk, None))
+    keeping = DecodeState.empty((B, HKV, D, D, fm.feature_dim), 0, torch.float32, feature_keys=True)
     with pytest.raises(ValueError, match="feature_keys=True"):
-        continue_attention(keeping, q, k, v, fm, window=2)
+        continue_attention(keeping, q, k, v, fm, None, DecodeCall(window=2))
 
 
 # --- cached decoding that derives the feature keys (feature_key_fn): no per-layer key copy ----------
@@ -195,7 +194,7 @@ def _rotate(x, cos, sin):
 def _decode_deriving(q, k, v, fq, fm, mask, cos, sin, steps, window, sinks):
     from hf_rfa.hf.rope import unrotate
 
-    state = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float64, compute_dtype=torch.float64)
+    state = DecodeState.empty((B, HKV, D, D, fm.feature_dim), sinks, torch.float64, compute_dtype=torch.float64)
     outs, t = [], 0
     for step in steps:
         sl, wc = slice(t, t + step), state.win_k.shape[2]
@@ -204,8 +203,7 @@ def _decode_deriving(q, k, v, fq, fm, mask, cos, sin, steps, window, sinks):
         def fn(x, block=block):
             return unrotate(x, cos[:, block], sin[:, block])
 
-        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=window, sinks=sinks,
-                                      chunk_size=8, feature_q=fq[:, :, sl], feature_key_fn=fn)
+        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], DecodeCall(window=window, sinks=sinks, chunk_size=8), (fq[:, :, sl], None, fn))
         outs.append(o)
         t += step
     return torch.cat(outs, 2), state
@@ -230,8 +228,8 @@ def test_cached_decoding_deriving_feature_keys_equals_one_full_forward(name, kw,
     if window < 41:
         assert rel(plain_full, full) > 1e-5  # the derived feature keys are read (not the rotated keys)
     assert state.win_kf is None and state.seen == 41
-    plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, sinks, torch.float64, compute_dtype=torch.float64)
-    plain_state = continue_attention(plain, q, k, v, fm, mask, window=window, sinks=sinks, chunk_size=8)[1]
+    plain = DecodeState.empty((B, HKV, D, D, fm.feature_dim), sinks, torch.float64, compute_dtype=torch.float64)
+    plain_state = continue_attention(plain, q, k, v, fm, mask, DecodeCall(window=window, sinks=sinks, chunk_size=8))[1]
     assert state.tensors().keys() == plain_state.tensors().keys()
     assert state.nbytes() == plain_state.nbytes()  # nothing per layer beyond the rotated-only state
     assert torch.equal(state.win_k, plain_state.win_k)  # the window keeps the rotated keys only
@@ -246,12 +244,11 @@ def test_deriving_and_keeping_feature_keys_agree():
     q, k = _rotate(q0, cos, sin), _rotate(k0, cos, sin)
     steps = (9, 1, 4, 1, 15)
     derived, st_d = _decode_deriving(q, k, v, q0, fm, mask, cos, sin, steps, 5, 1)
-    st_k = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 1, torch.float64, compute_dtype=torch.float64, feature_keys=True)
+    st_k = DecodeState.empty((B, HKV, D, D, fm.feature_dim), 1, torch.float64, compute_dtype=torch.float64, feature_keys=True)
     outs, t = [], 0
     for step in steps:
         sl = slice(t, t + step)
-        o, st_k = continue_attention(st_k, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=5, sinks=1,
-                                     chunk_size=8, feature_q=q0[:, :, sl], feature_k=k0[:, :, sl])
+        o, st_k = continue_attention(st_k, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], DecodeCall(window=5, sinks=1, chunk_size=8), (q0[:, :, sl], k0[:, :, sl], None))
         outs.append(o)
         t += step
     assert rel(derived, torch.cat(outs, 2)) <= 1e-12
@@ -262,23 +259,23 @@ def test_deriving_and_keeping_feature_keys_agree():
 def test_bad_feature_key_fn_arguments_are_refused():
     fm = _map("favor+", dtype=torch.float32)
     q, k, v, fq, fk, _ = _inputs(10, dtype=torch.float32)
-    plain = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32)
+    plain = DecodeState.empty((B, HKV, D, D, fm.feature_dim), 0, torch.float32)
     ident = lambda x: x  # noqa: E731
     with pytest.raises(ValueError, match="feature_k must be None with feature_key_fn"):
-        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_k=fk, feature_key_fn=ident)
+        continue_attention(plain, q, k, v, fm, None, DecodeCall(window=2), (fq, fk, ident))
     with pytest.raises(ValueError, match="feature_key_fn needs feature_q"):
-        continue_attention(plain, q, k, v, fm, window=2, feature_key_fn=ident)
+        continue_attention(plain, q, k, v, fm, None, DecodeCall(window=2), (None, None, ident))
     with pytest.raises(ValueError, match="feature_key_fn must be a callable"):
-        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_key_fn=3)
-    keeping = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float32, feature_keys=True)
+        continue_attention(plain, q, k, v, fm, None, DecodeCall(window=2), (fq, None, 3))
+    keeping = DecodeState.empty((B, HKV, D, D, fm.feature_dim), 0, torch.float32, feature_keys=True)
     with pytest.raises(ValueError, match=r"feature_keys=False"):
-        continue_attention(keeping, q, k, v, fm, window=2, feature_q=fq, feature_key_fn=ident)
+        continue_attention(keeping, q, k, v, fm, None, DecodeCall(window=2), (fq, None, ident))
     with pytest.raises(ValueError, match="feature_key_fn must return a floating tensor of the local block's shape"):
-        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq, feature_key_fn=lambda x: x[:, :, 1:])
+        continue_attention(plain, q, k, v, fm, None, DecodeCall(window=2), (fq, None, lambda x: x[:, :, 1:]))
     with pytest.raises(ValueError, match="feature_q must have the shape"):
-        continue_attention(plain, q, k, v, fm, window=2, feature_q=fq[:, :, 1:], feature_key_fn=ident)
+        continue_attention(plain, q, k, v, fm, None, DecodeCall(window=2), (fq[:, :, 1:], None, ident))
     with pytest.raises(ValueError, match="feature_key_fn="):  # a plain state without any feature keys: say how
-        continue_attention(keeping, q, k, v, fm, window=2)
+        continue_attention(keeping, q, k, v, fm, None, DecodeCall(window=2))
 
 
 @pytest.mark.parametrize("mode", ["derive", "keep"])
@@ -293,13 +290,13 @@ def test_nonfinite_feature_inputs_in_decoding_poison_like_the_full_forward(mode)
     scale[1, 1] = float("inf")  # and of a padded position
     fk = k * scale.unsqueeze(1)
     full = random_feature_attention(q, k, v, fm, attention_mask=mask, window=2, feature_q=fq, feature_k=fk)
-    state = DecodeState.empty(B, HKV, D, D, fm.feature_dim, 0, torch.float64, compute_dtype=torch.float64, feature_keys=mode == "keep")
+    state = DecodeState.empty((B, HKV, D, D, fm.feature_dim), 0, torch.float64, compute_dtype=torch.float64, feature_keys=mode == "keep")
     outs, t = [], 0
     for step in (5, 1, 1, 5):
         sl, wc = slice(t, t + step), state.win_k.shape[2]
         blk = scale[:, t - wc:t + step]
-        feat = dict(feature_k=fk[:, :, sl]) if mode == "keep" else dict(feature_key_fn=lambda x, blk=blk: x * blk.unsqueeze(1))
-        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], window=2, feature_q=fq[:, :, sl], **feat)
+        feat = (fq[:, :, sl], fk[:, :, sl], None) if mode == "keep" else (fq[:, :, sl], None, lambda x, blk=blk: x * blk.unsqueeze(1))
+        o, state = continue_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], DecodeCall(window=2), feat)
         outs.append(o)
         t += step
     out = torch.cat(outs, 2)

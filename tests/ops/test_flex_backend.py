@@ -11,8 +11,10 @@ import hf_rfa
 from hf_rfa.ops import random_feature_attention
 from hf_rfa.ops.backends import BACKENDS, fla, flex, gpu, resolve
 from hf_rfa.ops.band.exact import exact_local
+from hf_rfa.ops.band.plan import Band
 from hf_rfa.ops.partial import finalize
 from hf_rfa.ops.rotary import unrotate
+from hf_rfa.ops.spec import AttentionSpec, CallPlan
 from conftest import rel
 from tiny_models import batch, tiny_model
 from tolerances import ORACLE_FP32, PLUMBING_LOGITS
@@ -48,7 +50,7 @@ def test_flex_band_equals_pytorch_band(band, block):
     q, k, v, mask = _qkv(n)
     scale = D**-0.5
     got = flex.band_partial(q, k, v, mask, min(window, n), sinks, scale, block=block)
-    ref = exact_local(q.reshape(B, HKV, H // HKV, n, D) * scale**0.5, k * scale**0.5, v, mask, min(window, n), sinks, True, 16)
+    ref = exact_local(q.reshape(B, HKV, H // HKV, n, D) * scale**0.5, k * scale**0.5, v, mask, Band(min(window, n), sinks, True, 16))
     seen = ref.den > 0
     assert torch.equal(got.den > 0, seen)
     assert rel(finalize(got, 1e-6)[seen], finalize(ref, 1e-6)[seen]) <= ORACLE_FP32
@@ -100,6 +102,11 @@ def test_flex_backend_with_decay_and_feature_inputs():
     assert rel(out, ref) <= ORACLE_FP32
 
 
+def _fla_call(window, sinks):
+    """The call plan gpu.attention reads: backend fla, chunk 16, no checkpointing, scale D^-0.5."""
+    return CallPlan(AttentionSpec(window=window, sinks=sinks, chunk_size=16, checkpoint_blocks=False, backend="fla"), True, D**-0.5, "fla")
+
+
 @pytest.fixture
 def reference_fla(monkeypatch):
     """fla's Triton kernel replaced by its plain-PyTorch twin (``fla.reference_kernel``)."""
@@ -115,7 +122,7 @@ def test_fla_wrapper_equals_torch_backend(reference_fla, name, decay, band):
     with torch.no_grad():
         ref = random_feature_attention(q, k, v, fm, attention_mask=mask, window=window, sinks=sinks, chunk_size=16, backend="torch")
         part = fla.scan_partial(fm, q, k, v, mask, mask, window, D**-0.25)
-        out = gpu.attention(q, k, v, fm, mask, window=window, sinks=sinks, scale=D**-0.5, chunk_size=16, checkpoint=False, backend="fla", grad=False)
+        out = gpu.attention(q, k, v, fm, mask, _fla_call(window, sinks), grad=False)
     assert part is not None, "the kernel path must answer these inputs (no fallback)"
     assert rel(out, ref) <= ORACLE_FP32
 
@@ -128,7 +135,7 @@ def test_fla_wrapper_falls_back_when_key_scales_spread(reference_fla):
     assert fla.scan_partial(fm, q, k, v, mask, mask, 0, D**-0.25) is None
     with torch.no_grad():
         ref = random_feature_attention(q, k, v, fm, attention_mask=mask, chunk_size=16, backend="torch")
-        out = gpu.attention(q, k, v, fm, mask, window=0, sinks=0, scale=D**-0.5, chunk_size=16, checkpoint=False, backend="fla", grad=False)
+        out = gpu.attention(q, k, v, fm, mask, _fla_call(0, 0), grad=False)
     assert rel(out, ref) <= ORACLE_FP32
 
 
@@ -236,7 +243,7 @@ def test_fla_wrapper_gradients_equal_torch_backend(reference_fla, name, decay):
         if run == "torch":
             out = random_feature_attention(*xs, fm, attention_mask=mask, chunk_size=16, backend="torch")
         else:
-            out = gpu.attention(*xs, fm, mask, window=0, sinks=0, scale=D**-0.5, chunk_size=16, checkpoint=False, backend="fla", grad=True)
+            out = gpu.attention(*xs, fm, mask, _fla_call(0, 0), grad=True)
         (out * up).sum().backward()
         grads.append([x.grad for x in xs] + [p.grad for p in fm.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1]) > 3  # q, k, v and the map's parameters (decay, gate, learned)

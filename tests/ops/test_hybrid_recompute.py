@@ -12,6 +12,8 @@ import hf_rfa
 from hf_rfa.ops import attention
 from hf_rfa.ops.backends import native
 from hf_rfa.ops.hybrid.blocks import window_slice as _window_slice
+from hf_rfa.ops.hybrid.function import HybridArgs
+from hf_rfa.ops.spec import AttentionSpec, CallPlan
 from conftest import rel
 from tolerances import GRAD_FP32, GRAD_FP64
 
@@ -218,12 +220,17 @@ def test_window_slice_fills_outside_positions():
     assert _window_slice(x, 1, 4, 1).data_ptr() == x[:, 1:].data_ptr()  # a view when nothing is filled
 
 
+def _call(window, sinks):
+    """A causal call plan at scale 0.3 (what hybrid_attention reads of the call)."""
+    return CallPlan(AttentionSpec(window=window, sinks=sinks), True, 0.3, "torch")
+
+
 def test_hybrid_attention_refuses_bad_arguments():
     q, k, v, mask = _inputs()
     fm = _fm("favor+")
     with pytest.raises(ValueError, match="window"):
-        attention.hybrid_attention(q, k, v, fm, mask, mask, 0, 0, 0.3)
+        attention.hybrid_attention(q, k, v, fm, _call(0, 0), HybridArgs(mask, mask))
     with pytest.raises(ValueError, match="window"):
-        attention.hybrid_attention(q, k, v, fm, mask, mask, N, 0, 0.3)
+        attention.hybrid_attention(q, k, v, fm, _call(N, 0), HybridArgs(mask, mask))
     with pytest.raises(ValueError, match="feat_mask"):
-        attention.hybrid_attention(q, k, v, fm, mask, None, 4, 0, 0.3)
+        attention.hybrid_attention(q, k, v, fm, _call(4, 0), HybridArgs(mask, None))

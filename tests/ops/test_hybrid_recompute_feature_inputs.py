@@ -130,7 +130,8 @@ def test_dispatcher_passes_feature_inputs_to_hybrid_function(monkeypatch):
     real = attention.hybrid_attention
 
     def spy(*a, **kw):
-        seen.append((kw.get("feature_q"), kw.get("feature_k")))
+        args = a[5]  # the HybridArgs
+        seen.append((args.feature_q, args.feature_k))
         return real(*a, **kw)
 
     monkeypatch.setattr(attention, "hybrid_attention", spy)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops.memory import MemoryState, continue_memory_attention
+from hf_rfa.ops.memory import MemoryCall, MemoryState, continue_memory_attention
 from hf_rfa.ops.reference import memory_membership, quadratic_kernel_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
@@ -136,10 +136,10 @@ def test_continuation_equals_full_forward(name, splits):
     fm = _map(name)
     window, sinks, memory, every = 5, 2, 4, 8
     full = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, window, sinks, chunk_size=8, memory=memory, memory_every=every)
-    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, sinks, memory, torch.float32)
+    state = MemoryState.empty((B, HKV, D, D, fm.feature_dim), sinks, memory, torch.float32)
     outs, i, sizes = [], 0, []
     for s in splits + [1] * (N - sum(splits)):
-        o, state = continue_memory_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], window, sinks, memory, every, chunk_size=8)
+        o, state = continue_memory_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], MemoryCall(window, sinks, memory, every, chunk_size=8))
         outs.append(o)
         sizes.append(state.nbytes())
         assert state.base.win_k.shape[2] <= window + every
@@ -156,8 +156,8 @@ def test_continuation_equals_full_forward(name, splits):
 
 def test_state_bytes_count_the_memory():
     fm = _map("favor+")
-    a = MemoryState.empty(1, HKV, D, D, fm.feature_dim, 2, 128, torch.float32)
-    b = MemoryState.empty(1, HKV, D, D, fm.feature_dim, 2, 256, torch.float32)
+    a = MemoryState.empty((1, HKV, D, D, fm.feature_dim), 2, 128, torch.float32)
+    b = MemoryState.empty((1, HKV, D, D, fm.feature_dim), 2, 256, torch.float32)
     assert b.nbytes() - a.nbytes() == b.memory_nbytes() - a.memory_nbytes() > 128 * HKV * 2 * D * 4
     assert a.nbytes() > a.base.nbytes()
 
@@ -176,9 +176,9 @@ def test_bad_arguments_name_the_field():
     for bad in (dict(memory=-1), dict(memory=1.5), dict(memory=2**20), dict(memory_every=0)):
         with pytest.raises(ValueError, match="memory"):
             hf_rfa.RFAConfig(**bad)
-    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 0, 4, torch.float32)
+    state = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 0, 4, torch.float32)
     with pytest.raises(ValueError, match="memory"):
-        continue_memory_attention(state, q, k, v, fm, memory=8)
+        continue_memory_attention(state, q, k, v, fm, None, MemoryCall(memory=8))
 
 
 def test_nonfinite_key_poisons_only_its_rows_in_prefill_and_decoding():
@@ -190,9 +190,9 @@ def test_nonfinite_key_poisons_only_its_rows_in_prefill_and_decoding():
     out = hf_rfa.random_feature_attention(q, k, v, fm, **kw)
     assert torch.isnan(out[0, :2, 20:]).all() and not torch.isnan(out[0, :2, :20]).any() and not torch.isnan(out[0, 2:]).any()
     assert torch.equal(out[1], clean[1]) and torch.equal(out[0, :, :20], clean[0, :, :20])
-    state, outs = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 2, 4, torch.float32), []
+    state, outs = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 2, 4, torch.float32), []
     for i in range(0, 40, 7):
-        o, state = continue_memory_attention(state, q[:, :, i:i + 7], k[:, :, i:i + 7], v[:, :, i:i + 7], fm, **kw)
+        o, state = continue_memory_attention(state, q[:, :, i:i + 7], k[:, :, i:i + 7], v[:, :, i:i + 7], fm, None, MemoryCall(**kw))
         outs.append(o)
     dec = torch.cat(outs, 2)
     assert torch.equal(torch.isnan(dec), torch.isnan(out)) and rel(dec.nan_to_num(), out.nan_to_num()) <= ORACLE_FP32
@@ -214,9 +214,9 @@ def test_ties_keep_the_older_key_in_prefill_and_decoding():
     ref = quadratic_kernel_attention(q, k, v, fm, True, mask, **kw)
     real = mask[:, None, :, None].expand_as(ref)
     assert rel(out[real], ref[real]) <= ORACLE_FP32
-    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 2, 4, torch.float32)
+    state = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 2, 4, torch.float32)
     for i in range(40):
-        _, state = continue_memory_attention(state, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], fm, mask[:, i:i + 1], **kw)
+        _, state = continue_memory_attention(state, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], fm, mask[:, i:i + 1], MemoryCall(**kw))
     assert torch.equal(torch.zeros_like(member[:, :, -1]).scatter_(2, state.mem_pos, state.mem_ok), member[:, :, -1])
 
 

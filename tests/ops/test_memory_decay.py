@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops.memory import MemoryState, continue_memory_attention
+from hf_rfa.ops.memory import MemoryCall, MemoryState, continue_memory_attention
 from hf_rfa.ops.reference import feature_error_scores, memory_membership, quadratic_kernel_attention
 from hf_rfa.ops.rotary import unrotate
 from conftest import rel
@@ -92,12 +92,12 @@ def test_continuation_equals_full_forward(kind, score, splits):
     q, k, v, mask = _inputs(3)
     fm = _map(kind)
     full = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, memory_score=score, **KW)
-    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 2, 4, torch.float32)
+    state = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 2, 4, torch.float32)
     outs, i = [], 0
     with torch.no_grad():
         for s in splits + [1] * (N - sum(splits)):
             sl = slice(i, i + s)
-            o, state = continue_memory_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], chunk_size=8, memory_score=score, **KW)
+            o, state = continue_memory_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], MemoryCall(chunk_size=8, memory_score=score, **KW))
             outs.append(o)
             i += s
     real = mask[:, None, :, None].expand_as(full)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops.memory import MemoryState, continue_memory_attention
+from hf_rfa.ops.memory import MemoryCall, MemoryState, continue_memory_attention
 from hf_rfa.ops.reference import quadratic_kernel_attention
 from hf_rfa.ops.rotary import unrotate
 from conftest import rel
@@ -80,15 +80,15 @@ def test_continuation_equals_full_forward(score, splits):
     fq, fk = unrotate(q, *rope), unrotate(k, *rope)
     kw = dict(window=5, sinks=2, memory=4, memory_every=8, memory_score=score)
     full = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, feature_q=fq, feature_k=fk, **kw)
-    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, 2, 4, torch.float32, feature_keys=True)
+    state = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 2, 4, torch.float32, feature_keys=True)
     outs, i = [], 0
     for s in splits + [1] * (N - sum(splits)):
         sl = slice(i, i + s)
-        o, state = continue_memory_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], chunk_size=8, feature_q=fq[:, :, sl], feature_k=fk[:, :, sl], **kw)
+        o, state = continue_memory_attention(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], MemoryCall(chunk_size=8, **kw), (fq[:, :, sl], fk[:, :, sl]))
         outs.append(o)
         i += s
     real = mask[:, None, :, None].expand_as(full)
     assert rel(torch.cat(outs, 2)[real], full[real]) <= ORACLE_FP32
     assert state.mem_kf is not None and state.base.win_kf.shape[2] <= 5 + 8
     with pytest.raises(ValueError, match="exactly when the state keeps feature keys"):
-        continue_memory_attention(state, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm, mask[:, :1], chunk_size=8, **kw)
+        continue_memory_attention(state, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm, mask[:, :1], MemoryCall(chunk_size=8, **kw))

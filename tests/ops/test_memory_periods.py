@@ -12,6 +12,7 @@ from hf_rfa.ops.memory import periods as memory_periods
 from hf_rfa.ops.memory import MemoryState
 from hf_rfa.ops.memory.sequential import run_sequential as _run
 from hf_rfa.ops.memory.periods import run_periods
+from hf_rfa.ops.memory.state import MemoryCall
 from conftest import rel
 
 B, H, HKV, D = 2, 4, 2, 16
@@ -38,7 +39,7 @@ def _map(kind: str, dtype=torch.float64):
 
 def _state(fm, sinks, memory, dtype, feature_keys):
     ct = torch.float64 if dtype == torch.float64 else torch.float32
-    return MemoryState.empty(B, HKV, D, D, fm.feature_dim, sinks, memory, dtype, None, ct, feature_keys=feature_keys)
+    return MemoryState.empty((B, HKV, D, D, fm.feature_dim), sinks, memory, dtype, None, ct, feature_keys=feature_keys)
 
 
 def _both(fm, q, k, v, fq, fk, mask, window, sinks, memory, every, score, splits):
@@ -49,8 +50,8 @@ def _both(fm, q, k, v, fq, fk, mask, window, sinks, memory, every, score, splits
         outs, i = [], 0
         for s in splits:
             sl = slice(i, i + s)
-            o, st = form(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], mask[:, sl], fm, window, sinks, every, D**-0.5, 8, False, score,
-                         fq[:, :, sl] if fq is not None else None, fk[:, :, sl] if fk is not None else None)
+            o, st = form(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], mask[:, sl], fm, MemoryCall(window, sinks, memory, every, D**-0.5, 8, False, score),
+                         (fq[:, :, sl] if fq is not None else None, fk[:, :, sl] if fk is not None else None))
             outs.append(o)
             i += s
         res.append((torch.cat(outs, dim=2), st))
@@ -123,7 +124,7 @@ def test_gradients_equal_sequential(kind):
     for form in (_run, run_periods):
         xs = [x.clone().requires_grad_(True) for x in (q, k, v, fq, fk)]
         st = _state(fm, 2, 4, torch.float64, True)
-        out, _ = form(st, xs[0], xs[1], xs[2], mask, fm, 5, 2, 8, D**-0.5, 8, False, "feature_error", xs[3], xs[4])
+        out, _ = form(st, xs[0], xs[1], xs[2], mask, fm, MemoryCall(5, 2, 4, 8, D**-0.5, 8, False, "feature_error"), (xs[3], xs[4]))
         grads.append(torch.autograd.grad((out * up).sum(), (*xs, *params)))
     for ga, gb in zip(*grads):
         assert rel(gb, ga) <= 1e-10
@@ -142,5 +143,5 @@ def test_prefill_and_long_continuations_use_the_periods(monkeypatch):
     from hf_rfa.ops.memory import continue_memory_attention
 
     for s in (20, 8, 1):
-        _, st = continue_memory_attention(st, q[:, :, :s], k[:, :, :s], v[:, :, :s], fm, mask[:, :s], 5, 2, 4, 8)
+        _, st = continue_memory_attention(st, q[:, :, :s], k[:, :, :s], v[:, :, :s], fm, mask[:, :s], MemoryCall(5, 2, 4, 8))
     assert calls == [40, 20]

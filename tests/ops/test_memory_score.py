@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops.memory import MemoryState, continue_memory_attention, value_norm
+from hf_rfa.ops.memory import MemoryCall, MemoryState, continue_memory_attention, value_norm
 from hf_rfa.ops.reference import feature_error_scores, memory_membership, quadratic_kernel_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
@@ -148,10 +148,10 @@ def test_continuation_equals_full_forward(name, splits):
     q, k, v, mask = _inputs(5)
     fm = _map(name)
     full = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, **KW)
-    state = MemoryState.empty(B, HKV, D, D, fm.feature_dim, KW["sinks"], KW["memory"], torch.float32)
+    state = MemoryState.empty((B, HKV, D, D, fm.feature_dim), KW["sinks"], KW["memory"], torch.float32)
     outs, i = [], 0
     for s in splits + [1] * (N - sum(splits)):
-        o, state = continue_memory_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], chunk_size=8, **KW)
+        o, state = continue_memory_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], MemoryCall(chunk_size=8, **KW))
         outs.append(o)
         i += s
     real = mask[:, None, :, None].expand_as(full)

@@ -14,7 +14,7 @@ from tolerances import ORACLE_FP32
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, quadratic_kernel_attention
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.feature.fused import causal_feature_attention
+from hf_rfa.ops.feature.fused import ScanRun, causal_feature_attention
 
 HAVE_TOOLCHAIN = shutil.which("g++") is not None and native._ninja_on_path()
 
@@ -82,11 +82,11 @@ def test_kernel_matches_pytorch_inference_form(name, h, hkv, n, chunk, calls, py
     q, k, v, mask = _inputs(2, h, hkv, n, 16, seed=1, scale=1.3)
     fm = hf_rfa.build_feature_map(name, head_dim=16, num_features=32)
     with torch.no_grad():
-        part, st = causal_feature_attention(fm, q, k, v, mask, chunk_size=chunk, x_scale=0.5)
+        part, st = causal_feature_attention(fm, q, k, v, (mask, None, None), ScanRun(chunk, x_scale=0.5))
         dest = torch.empty(2, hkv, h // hkv, n, 16)
-        none, st2 = causal_feature_attention(fm, q, k, v, mask, chunk_size=chunk, x_scale=0.5, out=dest)
+        none, st2 = causal_feature_attention(fm, q, k, v, (mask, None, None), ScanRun(chunk, x_scale=0.5), out=dest)
     assert calls["n"] == 2 and none is None
-    ref, st_ref = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, mask, chunk_size=chunk, x_scale=0.5))
+    ref, st_ref = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, (mask, None, None), ScanRun(chunk, x_scale=0.5)))
     assert calls["n"] == 2  # the twin did not call the kernel
     sel = mask.view(2, 1, 1, n).expand(part.den.shape)
     want = finalize(ref, fm.eps)
@@ -122,10 +122,10 @@ def test_carried_state_and_log_scale_offsets(pytorch_path):
     lq_add = torch.randn(2, 2, 2, 130, generator=gen)
     fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=32)
     with torch.no_grad():
-        whole, st_whole = causal_feature_attention(fm, q, k, v, mask, lq_add, lk_add, chunk_size=16)
-        a, st_a = causal_feature_attention(fm, q[:, :, :50], k[:, :, :50], v[:, :, :50], mask[:, :50], lq_add[..., :50], lk_add[..., :50], chunk_size=16)
-        b, st_b = causal_feature_attention(fm, q[:, :, 50:], k[:, :, 50:], v[:, :, 50:], mask[:, 50:], lq_add[..., 50:], lk_add[..., 50:], chunk_size=16, state=st_a)
-    ref, _ = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, mask, lq_add, lk_add, chunk_size=16))
+        whole, st_whole = causal_feature_attention(fm, q, k, v, (mask, lq_add, lk_add), ScanRun(16))
+        a, st_a = causal_feature_attention(fm, q[:, :, :50], k[:, :, :50], v[:, :, :50], (mask[:, :50], lq_add[..., :50], lk_add[..., :50]), ScanRun(16))
+        b, st_b = causal_feature_attention(fm, q[:, :, 50:], k[:, :, 50:], v[:, :, 50:], (mask[:, 50:], lq_add[..., 50:], lk_add[..., 50:]), ScanRun(16), state=st_a)
+    ref, _ = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, (mask, lq_add, lk_add), ScanRun(16)))
     sel = mask.view(2, 1, 1, 130).expand(whole.den.shape)
     want = finalize(ref, fm.eps)
     assert rel(finalize(whole, fm.eps)[sel], want[sel]) <= ORACLE_FP32
@@ -157,13 +157,13 @@ def test_streaming_safe_and_large_norms():
     q, k, v = (torch.randn(1, 2, 70, 16, generator=gen) for _ in range(3))
     fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=16)
     with torch.no_grad():
-        p1, _ = causal_feature_attention(fm, q, k, v, chunk_size=16)
+        p1, _ = causal_feature_attention(fm, q, k, v, (None, None, None), ScanRun(16))
         for t in (0, 5, 29, 40):
             q2, k2, v2 = q.clone(), k.clone(), v.clone()
             q2[:, :, t + 1 :] *= 30
             k2[:, :, t + 1 :] = 30 * torch.randn(1, 2, 70 - t - 1, 16, generator=gen)
             v2[:, :, t + 1 :] = torch.randn(1, 2, 70 - t - 1, 16, generator=gen)
-            p2, _ = causal_feature_attention(fm, q2, k2, v2, chunk_size=16)
+            p2, _ = causal_feature_attention(fm, q2, k2, v2, (None, None, None), ScanRun(16))
             assert torch.isfinite(finalize(p2, fm.eps)).all()
             for a, c in ((p1.num, p2.num), (p1.den, p2.den), (p1.log_scale, p2.log_scale)):
                 assert torch.equal(a[:, :, :, : t + 1], c[:, :, :, : t + 1])
@@ -205,8 +205,8 @@ def test_prefill_then_decode_with_kernel(pytorch_path):
     q, k, v, _ = _inputs(1, 4, 2, 90, 16, seed=8)
     fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=32)
     with torch.no_grad():
-        _, st = causal_feature_attention(fm, q, k, v, chunk_size=16, x_scale=0.5)
-    _, st_ref = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, chunk_size=16, x_scale=0.5))
+        _, st = causal_feature_attention(fm, q, k, v, (None, None, None), ScanRun(16, x_scale=0.5))
+    _, st_ref = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, (None, None, None), ScanRun(16, x_scale=0.5)))
     assert isinstance(st, LinearState)
     w = torch.exp(st.ref - st_ref.ref)
     assert rel(st.S * w[..., None, None], st_ref.S) <= ORACLE_FP32
@@ -293,6 +293,7 @@ def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
     """Partial (num, den, log scale) of the window/sink part = ``hybrid.exact_local`` (padding at
     the front and holes, GQA, sinks inside and outside the window, W ≥ N)."""
     from hf_rfa.ops.band.exact import exact_local
+    from hf_rfa.ops.band.plan import Band
     from hf_rfa.ops.masks import exp_floor, sink_positions
 
     b, n, d = 2, 150, 16
@@ -300,8 +301,8 @@ def test_band_kernel_matches_exact_local(window, sinks, h, hkv, chunk):
     scale = d**-0.5
     root = scale**0.5
     spos, sok = sink_positions(mask, b, n, sinks, q.device) if sinks else (None, None)
-    num, den, ls = native.causal_band(q, k, v, scale, mask, window, spos, sok, chunk, exp_floor(torch.float32))
-    twin = exact_local((q * root).reshape(b, hkv, h // hkv, n, d), k * root, v, mask, window, sinks, True, chunk)
+    num, den, ls = native.causal_band(q, k, v, scale, mask, window, (spos, sok), native.KernelRun(chunk, exp_floor(torch.float32)))
+    twin = exact_local((q * root).reshape(b, hkv, h // hkv, n, d), k * root, v, mask, Band(window, sinks, True, chunk))
     g = h // hkv
     ls, den, num = ls.view(b, hkv, g, n), den.view(b, hkv, g, n), num.view(b, hkv, g, n, d)
     seen = twin.den > 0
@@ -422,8 +423,8 @@ def test_integer_key_mask_is_read_as_bool():
     q, k, v, mask = _inputs(2, 4, 2, 70, 8, seed=13)
     fm = hf_rfa.build_feature_map("favor+", head_dim=8, num_features=8)
     with torch.no_grad():
-        a, _ = causal_feature_attention(fm, q, k, v, mask, chunk_size=16)
-        b, _ = causal_feature_attention(fm, q, k, v, mask.to(torch.uint8), chunk_size=16)
+        a, _ = causal_feature_attention(fm, q, k, v, (mask, None, None), ScanRun(16))
+        b, _ = causal_feature_attention(fm, q, k, v, (mask.to(torch.uint8), None, None), ScanRun(16))
     assert torch.equal(a.num, b.num) and torch.equal(a.den, b.den)
 
 
@@ -439,19 +440,19 @@ def test_segmented_scan_matches_one_pass(segments, pytorch_path):
     gen = torch.Generator().manual_seed(16)
     lk_add = 2 * torch.randn(2, 2, 300, generator=gen)
     fm = hf_rfa.build_feature_map("favor+", head_dim=16, num_features=32)
-    _, st0 = pytorch_path(lambda: causal_feature_attention(fm, q[:, :, :40], k[:, :, :40], v[:, :, :40], mask[:, :40], chunk_size=16))
+    _, st0 = pytorch_path(lambda: causal_feature_attention(fm, q[:, :, :40], k[:, :, :40], v[:, :, :40], (mask[:, :40], None, None), ScanRun(16)))
     outs = []
     for p in (1, segments):
         S = torch.cat([st0.S, st0.z.unsqueeze(-1)], dim=-1).contiguous()
         ref = st0.ref.clone()
-        o, mt, lq = native.causal_positive(q, k, v, fm.native_params(0.5), mask, lk_add, S, ref, 16, None, exp_floor(torch.float32), segments=p)
+        o, mt, lq = native.causal_positive(q, k, v, fm.native_params(0.5), (mask, lk_add), (S, ref), native.KernelRun(16, exp_floor(torch.float32), None, segments=p))
         outs.append((o, mt, lq, S, ref))
     (o1, mt1, lq1, S1, r1), (o2, mt2, lq2, S2, r2) = outs
     assert torch.equal(mt1, mt2) and torch.equal(lq1, lq2) and torch.equal(r1, r2)
     sel = mask.view(2, 1, 300, 1).expand(o1.shape)
     assert rel(o2[sel], o1[sel]) <= ORACLE_FP32
     assert rel(S2, S1) <= ORACLE_FP32
-    ref_part, _ = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, mask, None, lk_add, chunk_size=16, state=st0, x_scale=0.5))
+    ref_part, _ = pytorch_path(lambda: causal_feature_attention(fm, q, k, v, (mask, None, lk_add), ScanRun(16, x_scale=0.5), state=st0))
     got = (o2[..., :16] / o2[..., 16:]).view(2, 2, 2, 300, 16)
     ok = mask.view(2, 1, 1, 300, 1).expand(got.shape)
     assert rel(got[ok], finalize(ref_part, 1e-30)[ok]) <= ORACLE_FP32

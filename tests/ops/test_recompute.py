@@ -10,7 +10,8 @@ import torch
 import hf_rfa
 from hf_rfa.ops.backends import native
 from hf_rfa.ops.band.exact import exact_local
-from hf_rfa.ops.feature.fused import causal_feature_attention
+from hf_rfa.ops.band.plan import Band
+from hf_rfa.ops.feature.fused import ScanRun, causal_feature_attention
 from conftest import rel
 from tolerances import GRAD_FP32, ORACLE_FP32
 
@@ -72,7 +73,7 @@ def test_band_function_matches_autograd_form(causal, window, sinks):
     for recompute in (False, True):
         leaves = [t.clone().requires_grad_() for t in (xq, k, v)]
         # block_size 16 with chunk 4: four chunks per block, four blocks (the last one short)
-        p = exact_local(*leaves, mask, window, sinks, causal, chunk_size=4, block_size=16, recompute=recompute)
+        p = exact_local(*leaves, mask, Band(window, sinks, causal, chunk_size=4, block_size=16), recompute=recompute)
         ((p.num * up).sum() + (p.den * up[..., 0]).sum()).backward()
         res.append([p.num, p.den, p.log_scale] + [t.grad for t in leaves])
     assert res[1][0].grad_fn is not None and "BandFunction" in type(res[1][0].grad_fn).__name__
@@ -87,7 +88,7 @@ def test_band_function_gradcheck_float64(causal, window, sinks):
     k, v = k.requires_grad_(), v.requires_grad_()
 
     def f(xq, k, v):
-        p = exact_local(xq, k, v, mask[:1], window, sinks, causal, chunk_size=2, block_size=4, recompute=True)
+        p = exact_local(xq, k, v, mask[:1], Band(window, sinks, causal, chunk_size=2, block_size=4), recompute=True)
         # scale-free quantities: the row max (ls) is a stabiliser without a gradient
         return p.num * torch.exp(p.log_scale).unsqueeze(-1), p.den * torch.exp(p.log_scale)
 
@@ -110,7 +111,7 @@ def test_scan_function_matches_autograd_form(name):
                 logg, log1mg = fm.log_gate(k * 8**-0.25)
                 cum = torch.cumsum(logg * mask[:, None], dim=-1)
                 lk_add, lq_add = log1mg - cum, cum[:, :, None, :]
-            p, st = causal_feature_attention(fm, q, k, v, mask, lq_add, lk_add, chunk_size=4, block_size=16, x_scale=8**-0.25, checkpoint=checkpoint)
+            p, st = causal_feature_attention(fm, q, k, v, (mask, lq_add, lk_add), ScanRun(4, block_size=16, x_scale=8**-0.25, checkpoint=checkpoint))
             # the Partial's three parts and the final state all carry gradients
             return torch.cat([p.num, p.den.unsqueeze(-1)], -1) * torch.exp(p.log_scale - p.log_scale.amax().detach()).unsqueeze(-1) + 1e-3 * st.S.sum()
         return f
@@ -128,7 +129,7 @@ def test_scan_function_gradcheck_float64(name):
     fm = hf_rfa.build_feature_map(name, head_dim=3, num_features=4, seed=1).double()
 
     def f(q, k, v):
-        p, st = causal_feature_attention(fm, q, k, v, mask[:1], chunk_size=2, block_size=4, checkpoint=True)
+        p, st = causal_feature_attention(fm, q, k, v, (mask[:1], None, None), ScanRun(2, block_size=4, checkpoint=True))
         # scale-free quantities (the running max is a stabiliser without a gradient)
         e = torch.exp(p.log_scale)
         return p.num * e.unsqueeze(-1), p.den * e, st.S * torch.exp(st.ref)[..., None, None]

@@ -14,7 +14,7 @@ import torch
 import hf_rfa
 from conftest import rel
 from hf_rfa.ops.backends import native
-from hf_rfa.ops.decode import DecodeState, continue_attention
+from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 from tolerances import ORACLE_FP32
 
 A = hf_rfa.random_feature_attention
@@ -134,7 +134,7 @@ def test_native_kernel_refuses_bad_sizes_instead_of_crashing(backend):
         q, k, v = _qkv(b=b, hkv=hkv)
         S, ref = torch.zeros(b, hkv, 8, 9), torch.zeros(b, hkv)
         try:
-            native.causal_positive(q, k, v, params, None, None, S, ref, chunk, 1e-20, -80.0)
+            native.causal_positive(q, k, v, params, (None, None), (S, ref), native.KernelRun(chunk, -80.0, 1e-20))
         except RuntimeError as e:
             assert "chunk" in str(e)
         else:
@@ -192,8 +192,8 @@ def test_exact_rows_before_any_feature_key_are_not_floored():
     q = torch.tensor([[[[6.0, 0.0, 0.0, 0.0]] * 8]])
     k = torch.tensor([[[[-6.0, 0.0, 0.0, 0.0]] * 8]])
     v = torch.randn(1, 1, 8, 4, generator=torch.Generator().manual_seed(0))
-    state = DecodeState.empty(1, 1, 4, 4, fm.feature_dim, 0, torch.float32)
-    dec, _ = continue_attention(state, q, k, v, fm, window=4)
+    state = DecodeState.empty((1, 1, 4, 4, fm.feature_dim), 0, torch.float32)
+    dec, _ = continue_attention(state, q, k, v, fm, None, DecodeCall(window=4))
     assert torch.allclose(dec[0, 0, 0], v[0, 0, 0])  # cached decoding: right
     out = A(q, k, v, fm, causal=True, window=4)
     assert torch.allclose(out[0, 0, 0], v[0, 0, 0])
@@ -224,12 +224,11 @@ def _decode(q, k, v, fm, kw, splits: list[int]) -> torch.Tensor:
     """The causal op through cached decoding (``continue_attention``), the new tokens in ``splits``."""
     b, h, n, d = q.shape
     mask = kw["attention_mask"]
-    state = DecodeState.empty(b, k.shape[1], d, v.shape[-1], getattr(fm, "feature_dim", 1), kw["sinks"] if isinstance(kw["sinks"], int) and 0 <= kw["sinks"] <= 4096 else 0, q.dtype,
+    state = DecodeState.empty((b, k.shape[1], d, v.shape[-1], getattr(fm, "feature_dim", 1)), kw["sinks"] if isinstance(kw["sinks"], int) and 0 <= kw["sinks"] <= 4096 else 0, q.dtype,
                               compute_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)  # float64 sums for the float64 check, as RFACache
     outs, i = [], 0
     for s in splits:
-        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, None if mask is None else mask[:, i:i + s],
-                                      window=kw["window"], sinks=kw["sinks"], scale=kw.get("scale"), chunk_size=kw["chunk_size"])
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, None if mask is None else mask[:, i:i + s], DecodeCall(window=kw["window"], sinks=kw["sinks"], scale=kw.get("scale"), chunk_size=kw["chunk_size"]))
         outs.append(o)
         i += s
     return torch.cat(outs, 2)

@@ -9,7 +9,7 @@ import torch
 
 import hf_rfa
 from hf_rfa.ops import LinearState, finalize, fold, quadratic_kernel_attention
-from hf_rfa.ops.feature.fused import causal_feature_attention
+from hf_rfa.ops.feature.fused import ScanRun, causal_feature_attention
 from hf_rfa.ops.feature.linear import causal_linear
 from hf_rfa.ops.masks import NEG
 from tolerances import GRAD_FP32, ORACLE_FP32
@@ -130,7 +130,7 @@ def test_fused_feature_path_equals_unfused(name, n):
     qf, lq, kf, lk = masked_features(fm, xq, xk, mask)
     ref, st_ref = causal_linear(qf, lq, kf, lk, v, 16)
     for chunk, block in ((16, None), (5, 15), (64, 64)):
-        part, st = causal_feature_attention(fm, xq, xk, v, mask, chunk_size=chunk, block_size=block)
+        part, st = causal_feature_attention(fm, xq, xk, v, (mask, None, None), ScanRun(chunk, block_size=block))
         ok = mask.view(b, 1, 1, n).expand(part.den.shape)
         assert rel(out_of(part)[ok], out_of(ref)[ok]) <= ORACLE_FP32
         assert rel(st.S, st_ref.S) <= ORACLE_FP32
@@ -160,13 +160,13 @@ def test_fused_path_is_streaming_safe(chunk, block):
     b, h, n, d = 1, 2, 70, 16
     xq, xk, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
     fm = hf_rfa.build_feature_map("favor+", head_dim=d, num_features=16)
-    p1, _ = causal_feature_attention(fm, xq, xk, v, chunk_size=chunk, block_size=block)
+    p1, _ = causal_feature_attention(fm, xq, xk, v, (None, None, None), ScanRun(chunk, block_size=block))
     for t in (0, 5, 29, 40):
         xq2, xk2, v2 = xq.clone(), xk.clone(), v.clone()
         xq2[:, :, t + 1 :] *= 30
         xk2[:, :, t + 1 :] = 30 * torch.randn(b, h, n - t - 1, d, generator=gen)
         v2[:, :, t + 1 :] = torch.randn(b, h, n - t - 1, d, generator=gen)
-        p2, _ = causal_feature_attention(fm, xq2, xk2, v2, chunk_size=chunk, block_size=block)
+        p2, _ = causal_feature_attention(fm, xq2, xk2, v2, (None, None, None), ScanRun(chunk, block_size=block))
         for a, c in ((p1.num, p2.num), (p1.den, p2.den), (p1.log_scale, p2.log_scale)):
             assert torch.equal(a[:, :, :, : t + 1], c[:, :, :, : t + 1])
 
@@ -213,9 +213,9 @@ def test_inference_form_matches_autograd_form(name, h, hkv):
         slow = hf_rfa.random_feature_attention(qg, k, v, fm, causal=True, attention_mask=mask, chunk_size=32).detach()
         with torch.no_grad():
             fast = hf_rfa.random_feature_attention(q, k, v, fm, causal=True, attention_mask=mask, chunk_size=32)
-            part_g, st_g = causal_feature_attention(fm, q.requires_grad_(), k, v, mask, chunk_size=32)
+            part_g, st_g = causal_feature_attention(fm, q.requires_grad_(), k, v, (mask, None, None), ScanRun(32))
         q.requires_grad_(False)
-        part, st = causal_feature_attention(fm, q, k, v, mask, chunk_size=32)
+        part, st = causal_feature_attention(fm, q, k, v, (mask, None, None), ScanRun(32))
     finally:
         scan.DEFAULT_BLOCK_SIZE = old
     ref = quadratic_kernel_attention(q, k, v, fm, causal=True, attention_mask=mask)

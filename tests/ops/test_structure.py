@@ -1,6 +1,14 @@
 """The layout rules of ``hf_rfa/ops``, read from the source with ``ast`` (nothing is imported):
-every module ≤ 400 lines and every function ≤ 80 lines, no import cycle between its modules, and no
-module importing another module's private (``_``-prefixed) names."""
+every module ≤ 400 lines and every function ≤ 80 lines and ≤ 8 parameters, no import cycle
+between its modules, and no module importing another module's private (``_``-prefixed) names.
+
+Counting parameters: every parameter of a ``def`` (nested ones and methods included) counts —
+positional-only, positional and keyword-only alike, with or without a default — and ``*args`` and
+``**kwargs`` count one each; a leading ``self``, ``cls`` or ``ctx`` (a method's object, an autograd
+Function's context) does not. Settings travel as one frozen object (``AttentionSpec``,
+``CallPlan``, ``Band``, ``MemoryCall``, ``KernelRun``, ...) or one tuple of related tensors, not as
+restated keywords. The public entry points whose keywords are the documented API are the only
+exceptions, listed with their reasons in :data:`PARAM_EXCEPTIONS`."""
 
 from __future__ import annotations
 
@@ -13,6 +21,21 @@ OPS = Path(__file__).resolve().parents[2] / "hf_rfa" / "ops"
 PACKAGE = "hf_rfa.ops"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
+MAX_PARAMS = 8
+#: parameters not counted when a function starts with them (the object of a method, an autograd
+#: Function's context)
+UNCOUNTED_FIRST = ("self", "cls", "ctx")
+
+#: ``module:qualified name`` → why it may take more than MAX_PARAMS parameters
+PARAM_EXCEPTIONS = {
+    "hf_rfa.ops.attention:random_feature_attention": "the public PyTorch entry point: its keywords are "
+    "the documented API (README, docs); it builds one AttentionSpec from them and calls attend",
+    "hf_rfa.ops.reference:quadratic_kernel_attention": "the public twin of random_feature_attention "
+    "(hf_rfa.quadratic_kernel_attention): the same keywords, so that a test or a user swaps one for the other",
+    "hf_rfa.ops.attention:attend": "the public op on a spec: q, k, v, feature_map and the spec, then "
+    "what only a call knows (causal, attention_mask, scale, and the feature inputs feature_q / "
+    "feature_k / feature_rope)",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -140,3 +163,66 @@ def test_the_checks_catch_what_they_guard():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     got = _imports(f"{PACKAGE}.attention", MODULES[f"{PACKAGE}.attention"])
     assert any(target == f"{PACKAGE}.masks" for target, _, _ in got)
+
+
+def _params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The parameters of ``node`` by the module docstring's rule."""
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+    return n - 1 if (a.posonlyargs or a.args) and names[0] in UNCOUNTED_FIRST else n
+
+
+def _functions(name: str) -> list[tuple[str, int, int]]:
+    """``(qualified name, line, parameters)`` of every function of the module (nested and methods
+    as ``Outer.inner``)."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((prefix + child.name, child.lineno, _params(child)))
+                visit(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(MODULES[name].read_text()), "")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_function_parameters(name):
+    many = [f"{fn} (line {line}): {n} parameters" for fn, line, n in _functions(name) if n > MAX_PARAMS and f"{name}:{fn}" not in PARAM_EXCEPTIONS]
+    assert not many, f"{name}: functions over {MAX_PARAMS} parameters (pass the spec / CallPlan / a small frozen dataclass): {many}"
+
+
+def test_parameter_exceptions_are_still_needed():
+    """Every listed exception names a function that exists and still takes more than MAX_PARAMS
+    parameters (a stale entry is removed, not kept)."""
+    found = {f"{name}:{fn}": n for name in MODULES for fn, _, n in _functions(name)}
+    for key, why in PARAM_EXCEPTIONS.items():
+        assert why and key in found, f"{key}: no such function"
+        assert found[key] > MAX_PARAMS, f"{key}: takes {found[key]} parameters now; drop the exception"
+
+
+def test_the_parameter_count_follows_its_rule():
+    src = """
+def f(a, /, b, *args, c, d=1, **kw): pass
+class K:
+    def m(self, a, b): pass
+    @classmethod
+    def c(cls, a): pass
+    @staticmethod
+    def forward(ctx, spec, *inputs): pass
+    @staticmethod
+    def s(a, b): pass
+def outer(x):
+    def inner(self_like, y): pass
+"""
+    got = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.FunctionDef):
+            got[node.name] = _params(node)
+    assert got == {"f": 6, "m": 2, "c": 1, "forward": 2, "s": 2, "outer": 1, "inner": 2}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.ops.decode import DecodeState, continue_attention
+from hf_rfa.ops.decode import DecodeCall, DecodeState, continue_attention
 from conftest import rel
 from tiny_models import tiny_model
 from tolerances import DECODE_LOGITS, ORACLE_FP32
@@ -73,10 +73,10 @@ def test_none_decode_matches_full_sequence_and_keeps_no_state(splits):
     mask[1, :5] = False
     fm = hf_rfa.build_feature_map("none", head_dim=d, num_features=1)
     ref = _masked_softmax(q, k, v, mask, window, sinks, True)
-    state = DecodeState.empty(b, hkv, d, d, fm.feature_dim, sinks, torch.float32)
+    state = DecodeState.empty((b, hkv, d, d, fm.feature_dim), sinks, torch.float32)
     outs, i, sizes = [], 0, []
     for s in splits + [1] * (n - sum(splits)):
-        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], window, sinks, chunk_size=8)
+        o, state = continue_attention(state, q[:, :, i:i + s], k[:, :, i:i + s], v[:, :, i:i + s], fm, mask[:, i:i + s], DecodeCall(window=window, sinks=sinks, chunk_size=8))
         outs.append(o)
         sizes.append(state.nbytes())
         i += s

@@ -38,8 +38,9 @@ class BlockWorkspace:
     for feature maps; ``q`` is the chunk-stacked copy when G > 1), the rest is scratch.
     """
 
-    def __init__(self, b: int, hkv: int, g: int, t: int, c: int, f: int, dv1: int, dtype: torch.dtype, device) -> None:
-        self.shape = (b, hkv, g, t, c, f, dv1)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        self.shape = shape
+        b, hkv, g, t, c, f, dv1 = shape
         nc = t // c
         n3 = b * hkv * nc
         kw = {"dtype": dtype, "device": device}
@@ -63,18 +64,19 @@ class BlockWorkspace:
         self.upper = torch.ones(nc, nc, dtype=torch.bool, device=dev).triu()  # j >= i: not yet folded
 
 
-def workspace(b: int, hkv: int, g: int, t: int, c: int, f: int, dv1: int, dtype: torch.dtype, device) -> BlockWorkspace:
-    """The calling thread's cached workspace for this shape (a new one replaces it otherwise).
+def workspace(shape: tuple[int, ...], dtype: torch.dtype, device) -> BlockWorkspace:
+    """The calling thread's cached workspace for ``shape = (B, Hkv, G, T, C, F, Dv+1)`` (a new one
+    replaces it otherwise).
 
     Keeping the last workspace lets consecutive calls (the layers of a model, repeated
     prefills) reuse its pages; it holds ``≈ B·H·T·(2F + …)`` floats (about 30 MB at B=1, H=12,
     T=512, F=256) until :func:`release_workspaces` or a call with another shape.
     """
     # (tensors made under torch.inference_mode cannot be updated in place outside it: separate key)
-    key = (b, hkv, g, t, c, f, dv1, dtype, torch.device(device), torch.is_inference_mode_enabled())
+    key = (*shape, dtype, torch.device(device), torch.is_inference_mode_enabled())
     cached = getattr(_CACHE, "ws", None)
     if cached is None or cached[0] != key:
-        _CACHE.ws = (key, BlockWorkspace(b, hkv, g, t, c, f, dv1, dtype, device))
+        _CACHE.ws = (key, BlockWorkspace(tuple(shape), dtype, device))
     return _CACHE.ws[1]
 
 
@@ -89,22 +91,22 @@ def causal_block_into(
     kf: torch.Tensor,
     lk: torch.Tensor | None,
     v: torch.Tensor,
-    S: torch.Tensor,
-    ref: torch.Tensor,
-    out: torch.Tensor,
-    ls_out: torch.Tensor | None,
-    eps: float | None = None,
+    state: tuple[torch.Tensor, torch.Tensor],
+    dest: tuple[torch.Tensor, torch.Tensor | None, float | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One full block without autograd, written into ``out [B,Hkv,G,T,Dv+1]`` and ``ls_out
-    [B,Hkv,T]`` (views into the call's result). Inputs as in ``chunkwise.causal_block``: ``qf
-    [B,Hkv,G,T,F]``, ``kf [B,Hkv,T,F]``, ``lk [B,Hkv,T]`` or None (all key log scales 0, ``ref >=
-    0``), ``va [B,Hkv,T,Dv+1]``, incoming state ``S [B,Hkv,F,Dv+1]`` relative to ``ref [B,Hkv]``.
-    ``qf``/``kf`` may already be ``ws.q_heads``/``ws.k`` (then nothing is copied). With ``eps``,
-    ``out [B,Hkv,G,T,Dv]`` receives the normalised output ``num / max(den, eps)`` instead.
+    """One full block without autograd, written into ``dest = (out [B,Hkv,G,T,Dv+1], ls_out
+    [B,Hkv,T] | None, eps | None)`` (views into the call's result). Inputs as in
+    ``chunkwise.causal_block``: ``qf [B,Hkv,G,T,F]``, ``kf [B,Hkv,T,F]``, ``lk [B,Hkv,T]`` or None
+    (all key log scales 0, ``ref >= 0``), ``va [B,Hkv,T,Dv+1]``, incoming ``state = (S
+    [B,Hkv,F,Dv+1], ref [B,Hkv])``, S relative to ref. ``qf``/``kf`` may already be
+    ``ws.q_heads``/``ws.k`` (then nothing is copied). With ``eps``, ``out [B,Hkv,G,T,Dv]``
+    receives the normalised output ``num / max(den, eps)`` instead.
 
     Returns the outgoing ``(S', ref')``; ``S'`` is a view of ``ws.S`` (clone it before the
     workspace is reused by another call).
     """
+    S, ref = state
+    out, ls_out, eps = dest
     b, hkv, g, t, c, f, dv1 = ws.shape
     nc = t // c
     bh, n3 = b * hkv, b * hkv * nc

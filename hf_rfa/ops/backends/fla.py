@@ -123,15 +123,16 @@ def references(lk: torch.Tensor, logg: torch.Tensor | None) -> tuple[torch.Tenso
     return m, torch.cummax(lk - cum, dim=-1).values + cum
 
 
-def scan_partial(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int, root: float, kernel=None) -> Partial | None:
+def scan_partial(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int, root: float) -> Partial | None:
     """The causal feature part by the fla kernel: a Partial ``[B, Hkv, G, N, ·]`` (float32), or
     None when a row's reference gap exceeds :data:`SPREAD` (the caller's PyTorch scan answers).
 
     ``fq_in [B, H, N, D]``, ``fk_in [B, Hkv, N, D]``: what the feature map reads (× ``root`` =
     √scale); ``v [B, Hkv, N, Dv]``; ``feat_mask [B, N]`` bool or None: the keys the feature part
     answers (real, not sinks); ``key_mask [B, N]`` bool or None: real tokens (padding never
-    decays); ``window``: the feature part reads keys ``s ≤ t − window``. ``kernel``: a callable
-    with ``chunk_simple_gla``'s signature (default: fla-core's, imported here)."""
+    decays); ``window``: the feature part reads keys ``s ≤ t − window``. The kernel is
+    :func:`_kernel`'s (fla-core's ``chunk_simple_gla``, imported there; the tests swap in
+    :func:`reference_kernel`)."""
     b, h, n, _ = fq_in.shape
     hkv, dv = fk_in.shape[1], v.shape[-1]
     g = h // hkv
@@ -145,7 +146,7 @@ def scan_partial(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int,
     heads = lambda x: x.repeat_interleave(g, dim=1) if g > 1 else x  # noqa: E731  (kv heads → query heads)
     to_bthk = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [B,H,N,·] → [B,N,H,·]
     gg = to_bthk(heads(logg).unsqueeze(-1)).squeeze(-1) if logg is not None else None
-    fn = kernel if kernel is not None else _kernel()
+    fn = _kernel()
     o, _ = fn(to_bthk(qf), to_bthk(heads(ks)), to_bthk(heads(va)), g=gg, scale=1.0)
     o = o.transpose(1, 2).reshape(b, hkv, g, n, dv + 1).to(qf.dtype)
     factor = torch.where(seen, torch.exp(gap), torch.zeros_like(gap))  # ≤ e^SPREAD

@@ -23,10 +23,12 @@ the twin tests; no backward there).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..feature.fused import causal_feature_attention
+from ..feature.fused import ScanRun, causal_feature_attention
 from ..feature.linear import shift_keys
 from ..masks import sink_mask, to_output_dtype
 from ..partial import Partial, finalize, merge
@@ -39,21 +41,36 @@ logger = logging.getLogger(__name__)
 GPU_ORDER = ("fla", "flex")
 
 
-def unsupported(name: str, *, grad: bool, causal: bool, window: int, sinks: int, memory: int, nq: int, nk: int, feature_map, device: torch.device) -> str | None:
+@dataclass(frozen=True)
+class CallFacts:
+    """What :func:`unsupported` reads of a call (:func:`settle`'s keywords, ``dtype`` aside)."""
+
+    grad: bool
+    causal: bool
+    window: int
+    sinks: int
+    memory: int
+    nq: int
+    nk: int
+    feature_map: Any
+    device: torch.device
+
+
+def unsupported(name: str, call: CallFacts) -> str | None:
     """Why backend ``name`` cannot answer this call (one line), or None when it can."""
-    if not causal:
+    if not call.causal:
         return "answers causal attention only"
-    if memory > 0:
+    if call.memory > 0:
         return "does not answer memory > 0 (the exact memory runs its own PyTorch form)"
-    if nq != nk:
-        return f"answers calls with as many queries as keys only, got Nq={nq}, Nk={nk}"
-    band = window > 0 or sinks > 0
-    if band and grad and device.type != "cuda":
+    if call.nq != call.nk:
+        return f"answers calls with as many queries as keys only, got Nq={call.nq}, Nk={call.nk}"
+    band = call.window > 0 or call.sinks > 0
+    if band and call.grad and call.device.type != "cuda":
         return "needs a CUDA device for gradients (FlexAttention has no CPU backward)"
-    null = getattr(feature_map, "null", False)
+    null = getattr(call.feature_map, "null", False)
     if name == "flex" and not band:
         return "needs an exact band (window > 0 or sinks > 0)"
-    if name == "fla" and (null or window >= nk):
+    if name == "fla" and (null or call.window >= call.nk):
         return "needs a feature part (feature_map other than 'none' and window < N)"
     if name == "fla" and grad and getattr(feature_map, "has_gate", False) and fla.gated_backward_refused(device):
         return ("cannot train a decay or gate on this GPU: fla-core refuses its gated backward on Hopper with "
@@ -65,17 +82,18 @@ def settle(be: str, requested: str, **call) -> str:
     """The backend of a whole call once :func:`~hf_rfa.ops.backends.resolve` chose ``be`` for
     ``requested``: for ``"auto"`` on CUDA the first of :data:`GPU_ORDER` that is available and
     answers the call (else ``be``); a named GPU backend is checked against the call (ValueError
-    with :func:`unsupported`'s reason). ``call``: :func:`unsupported`'s keywords and ``dtype``."""
+    with :func:`unsupported`'s reason). ``call``: the fields of :class:`CallFacts` and ``dtype``."""
     from . import BACKENDS
 
     dtype = call.pop("dtype")
-    device = call["device"]
+    facts = CallFacts(**call)
+    device = facts.device
     if requested == "auto":
         if device.type != "cuda":
             return be
-        return next((n for n in GPU_ORDER if BACKENDS[n].available(device, dtype) and unsupported(n, **call) is None), be)
+        return next((n for n in GPU_ORDER if BACKENDS[n].available(device, dtype) and unsupported(n, facts) is None), be)
     if be in GPU_ORDER:
-        reason = unsupported(be, **call)
+        reason = unsupported(be, facts)
         if reason is not None:
             raise ValueError(f"backend={be!r} {reason}")
     return be
@@ -92,14 +110,16 @@ def gate_terms(feature_map, xk: torch.Tensor, key_mask: torch.Tensor | None) -> 
     return log1mg - cum, cum[:, :, None, :]
 
 
-def attention(q, k, v, feature_map, key_mask, *, window: int, sinks: int, scale: float, chunk_size: int, checkpoint: bool, backend: str, grad: bool, feature_q=None, feature_k=None, feature_rope=None) -> torch.Tensor:
-    """A causal call (Nq == Nk == N, checked, finite inputs) by ``backend`` (``"flex"``/``"fla"``):
+def attention(q, k, v, feature_map, key_mask, call, *, grad: bool, features: tuple = (None, None, None)) -> torch.Tensor:
+    """A causal call (Nq == Nk == N, checked, finite inputs) by ``call.backend`` (``"flex"``/``"fla"``):
     q ``[B, H, N, D]``, k ``[B, Hkv, N, D]``, v ``[B, Hkv, N, Dv]``, ``key_mask [B, N]`` bool or
-    None → ``[B, H, N, Dv]`` in q's dtype. ``feature_q``/``feature_k`` or ``feature_rope``: what the
-    feature part reads (as in ``random_feature_attention``; the rotary embedding is undone up
-    front here)."""
+    None → ``[B, H, N, Dv]`` in q's dtype. ``call``: the :class:`~hf_rfa.ops.spec.CallPlan`
+    (window, sinks, scale, its spec's chunk size and ``checkpoint_blocks``). ``features =
+    (feature_q, feature_k, feature_rope)``: what the feature part reads (as in
+    ``random_feature_attention``; the rotary embedding is undone up front here)."""
+    feature_q, feature_k, feature_rope = features
     b, h, n, _ = q.shape
-    window, sinks = min(window, n), min(sinks, n)
+    window, sinks, scale = min(call.window, n), min(call.sinks, n), call.scale
     if feature_rope is not None:
         feature_q, feature_k = unrotate(q, *feature_rope), unrotate(k, *feature_rope)
     parts: list[Partial] = []
@@ -113,12 +133,12 @@ def attention(q, k, v, feature_map, key_mask, *, window: int, sinks: int, scale:
             real = key_mask if key_mask is not None else torch.ones(b, n, dtype=torch.bool, device=q.device)
             feat_mask = real & ~sink_mask(key_mask, b, n, sinks, q.device)
         part = None
-        if backend == "fla":
+        if call.backend == "fla":
             part = fla.scan_partial(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window, scale**0.5)
             if part is None and not torch.compiler.is_compiling():
                 logger.debug("fla: a row's key scales span more than %g nats; the PyTorch scan answers", fla.SPREAD)
         if part is None:
-            part = _torch_feature_part(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window, scale, chunk_size, checkpoint, grad)
+            part = _torch_feature_part(feature_map, (fq_in, fk_in, v), (feat_mask, key_mask), window, call, grad)
         parts.append(part)
     total = parts[0]
     for p in parts[1:]:
@@ -127,11 +147,13 @@ def attention(q, k, v, feature_map, key_mask, *, window: int, sinks: int, scale:
     return to_output_dtype(out, q.dtype)
 
 
-def _torch_feature_part(feature_map, fq_in, fk_in, v, feat_mask, key_mask, window: int, scale: float, chunk_size: int, checkpoint: bool, grad: bool) -> Partial:
+def _torch_feature_part(feature_map, inputs: tuple, masks: tuple, window: int, call, grad: bool) -> Partial:
     """The causal feature part by the PyTorch scan (:func:`~hf_rfa.ops.feature.fused.causal_feature_attention`)
-    on keys delayed by ``window``: ``torch`` with autograd, ``inference`` without."""
+    on keys delayed by ``window``: ``torch`` with autograd, ``inference`` without. ``inputs =
+    (fq_in, fk_in, v)``, ``masks = (feat_mask, key_mask)``."""
+    (fq_in, fk_in, v), (feat_mask, key_mask) = inputs, masks
     b, n = fk_in.shape[0], fk_in.shape[2]
-    root = scale**0.5
+    root = call.scale**0.5
     lk_add = lq_add = None
     if feature_map.has_gate:
         ct = torch.float64 if fk_in.dtype == torch.float64 else torch.float32
@@ -143,8 +165,9 @@ def _torch_feature_part(feature_map, fq_in, fk_in, v, feat_mask, key_mask, windo
         real = feat_mask if feat_mask is not None else torch.ones(b, n, dtype=torch.bool, device=fk_in.device)
         kmask = shift_keys(real, window, False, dim=1)
     scan_be = "torch" if grad else "inference"
-    part, _ = causal_feature_attention(feature_map, fq_in, ks, vs, kmask, lq_add, lk_add, chunk_size, x_scale=root, checkpoint=checkpoint, backend=scan_be)
+    run = ScanRun(call.spec.chunk_size, x_scale=root, checkpoint=call.spec.checkpoint_blocks, backend=scan_be)
+    part, _ = causal_feature_attention(feature_map, fq_in, ks, vs, (kmask, lq_add, lk_add), run)
     return part
 
 
-__all__ = ["GPU_ORDER", "attention", "gate_terms", "settle", "unsupported"]
+__all__ = ["GPU_ORDER", "CallFacts", "attention", "gate_terms", "settle", "unsupported"]

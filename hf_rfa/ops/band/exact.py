@@ -13,7 +13,7 @@ import torch
 
 from ..masks import NEG, exp_floor, needs_grad, sink_positions
 from ..partial import Partial, last_rows
-from .plan import BandPlan, band_plan, gather_keys, gather_sinks
+from .plan import Band, BandPlan, band_plan, gather_keys, gather_sinks
 from .recompute import BandFunction
 
 
@@ -83,26 +83,24 @@ def exact_local(
     xk: torch.Tensor,
     v: torch.Tensor,
     key_mask: torch.Tensor | None,
-    window: int,
-    sinks: int,
-    causal: bool,
-    chunk_size: int = 64,
-    block_size: int = 512,
+    band: Band,
     recompute: bool = False,
 ) -> Partial:
     """Exact part of the hybrid.
 
     xq ``[B, Hkv, G, N, D]`` and xk ``[B, Hkv, N, D]`` already multiplied by √scale (so scores are
-    ``xq·xk``), v ``[B, Hkv, N, Dv]``, key_mask ``[B, N]`` bool or None. Query t is position t.
-    Returns a Partial whose log scale is each row's max exact score (NEG where none is visible).
+    ``xq·xk``), v ``[B, Hkv, N, Dv]``, key_mask ``[B, N]`` bool or None; ``band``: the window W,
+    sinks S, causal or not, chunk and block lengths (:class:`~hf_rfa.ops.band.plan.Band`). Query t
+    is position t. Returns a Partial whose log scale is each row's max exact score (NEG where none
+    is visible).
 
-    Queries go in chunks of C = ``chunk_size``; chunk i sees the key band ``[iC − left, iC + C +
-    right)`` (left = W−1, right = 0 causal / W−1 bidirectional), taken from the padded keys with
-    ``unfold`` (no copy); all chunks of a block of ``block_size`` queries are one batched matmul.
+    Queries go in chunks of C = ``band.chunk_size``; chunk i sees the key band ``[iC − left, iC + C
+    + right)`` (left = W−1, right = 0 causal / W−1 bidirectional), taken from the padded keys with
+    ``unfold`` (no copy); all chunks of a block of ``band.block_size`` queries are one batched matmul.
     ``recompute``: with autograd, keep only the inputs and recompute each block's probabilities
     in backward (:mod:`hf_rfa.ops.band.recompute`; O(N·D) saved instead of O(N·(C+W+S)) per head).
     """
-    plan = band_plan(xq, key_mask, window, sinks, causal, chunk_size, block_size, nk=xk.shape[2])
+    plan = band_plan(xq, key_mask, band.window, band.sinks, band.causal, band.chunk_size, band.block_size, nk=xk.shape[2])
     if recompute and needs_grad(xq, xk, v):
         num, den, ls = BandFunction.apply(plan, xq, xk, v)
         return Partial(num, den, ls)
@@ -114,16 +112,15 @@ def exact_local_last(
     xk: torch.Tensor,
     v: torch.Tensor,
     key_mask: torch.Tensor | None,
-    window: int,
-    sinks: int,
+    band: Band,
     rows: int,
-    chunk_size: int = 64,
     recompute: bool = False,
 ) -> Partial:
-    """Causal :func:`exact_local` of the last ``rows`` query positions only (``[B,Hkv,G,rows,·]``):
+    """Causal :func:`exact_local` (``band.causal`` True) of the last ``rows`` query positions only (``[B,Hkv,G,rows,·]``):
     run on the keys those queries see — the sinks' keys gathered in front of the keys from the first
     window position on — with the matching last rows of ``xq [B,Hkv,G,N,D]``, when every sink exists
     and lies before that window (else :func:`exact_local` on all rows, then cut)."""
+    window, sinks = band.window, band.sinks
     b, hkv, g, n, d = xq.shape
     c0 = n - rows - max(window - 1, 0)  # first key in any of the queries' windows
     fits = rows < n and c0 > 0
@@ -131,7 +128,7 @@ def exact_local_last(
         spos, sok = sink_positions(key_mask, b, n, sinks, xq.device)
         fits = bool(sok.all()) and int(spos.max()) < c0
     if not fits:
-        return last_rows(exact_local(xq, xk, v, key_mask, window, sinks, True, chunk_size, recompute=recompute), rows)
+        return last_rows(exact_local(xq, xk, v, key_mask, band, recompute=recompute), rows)
     keys, vals, mask = xk[:, :, c0:], v[:, :, c0:], key_mask[:, c0:] if key_mask is not None else None
     if sinks > 0:  # the sinks in front: the crop's first S real tokens
         keys = torch.cat([gather_keys(xk, spos), keys], dim=2)
@@ -139,7 +136,7 @@ def exact_local_last(
         if mask is not None:
             mask = torch.cat([sok, mask], dim=1)
     crop = keys.shape[2]  # sinks + W − 1 + rows
-    return last_rows(exact_local(xq[..., n - crop :, :], keys, vals, mask, window, sinks, True, chunk_size, recompute=recompute), rows)
+    return last_rows(exact_local(xq[..., n - crop :, :], keys, vals, mask, band, recompute=recompute), rows)
 
 
 def band_forward(plan: BandPlan, xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

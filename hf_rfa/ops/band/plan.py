@@ -15,6 +15,19 @@ def gather_keys(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 2, idx)
 
 
+@dataclass(frozen=True)
+class Band:
+    """The exact band's settings (:func:`~hf_rfa.ops.band.exact.exact_local`): ``window`` W,
+    ``sinks`` S, ``causal``, the query chunk length ``chunk_size`` and the queries per block
+    ``block_size``."""
+
+    window: int
+    sinks: int
+    causal: bool = True
+    chunk_size: int = 64
+    block_size: int = 512
+
+
 @dataclass
 class BandPlan:
     """The exact part's layout (see :func:`exact_local`): query chunks of ``c`` tokens, ``nch`` of
@@ -84,4 +97,4 @@ def gather_sinks(x: torch.Tensor, plan: BandPlan) -> torch.Tensor | None:
     return gather_keys(x, plan.spos) if plan.sinks > 0 else None
 
 
-__all__ = ["BandPlan", "band_plan", "gather_keys", "gather_sinks"]
+__all__ = ["Band", "BandPlan", "band_plan", "gather_keys", "gather_sinks"]

@@ -148,12 +148,14 @@ def band_numden(pb, ps, vbu, vs) -> tuple[torch.Tensor, torch.Tensor]:
     return num, den
 
 
-def band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c: int):
-    """Backward of one block of the exact part from the gradients of its rows' ``num``
-    (``dn6 [B,Hkv,L,G·C,Dv]``) and ``den`` (``dd6 [B,Hkv,L,G·C,1]``): ds = p ⊙ (dnum·vᵀ + dden),
+def band_block_grads(tiles: tuple, dn6, dd6, c: int):
+    """Backward of one block of the exact part from its ``tiles = (pb, ps, q6, kbu, vbu, ks, vs)``
+    (probabilities, stacked queries, band keys/values, sinks' keys/values) and the gradients of
+    its rows' ``num`` (``dn6 [B,Hkv,L,G·C,Dv]``) and ``den`` (``dd6 [B,Hkv,L,G·C,1]``): ds = p ⊙ (dnum·vᵀ + dden),
     dq = ds·k, dk = dsᵀ·q, dv = pᵀ·dnum. Returns ``(dq6 [B,Hkv,L,G·C,D], dk_band, dv_band
     [B,Hkv,T+left+right,·] | None, dk_sinks, dv_sinks [B,Hkv,S,·] | None)`` — the band's key
     gradients already overlap-added over the padded span of :func:`band_tiles`."""
+    pb, ps, q6, kbu, vbu, ks, vs = tiles
     dq6 = gk = gv = gks = gvs = None
     if pb is not None:
         length = (pb.shape[2] - 1) * c + pb.shape[-1]  # the padded span: T + left + right
@@ -213,7 +215,7 @@ def _band_apply(plan: BandPlan, xq, xk, v, dnum=None, dden=None):
             continue
         dn6 = stack_rows(dnum[:, :, :, rows], L, c)  # [B,Hkv,L,G·C,Dv]
         dd6 = stack_rows(dden[:, :, :, rows].unsqueeze(-1), L, c)  # [B,Hkv,L,G·C,1]
-        dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)
+        dq6, gk, gv, gks, gvs = band_block_grads((pb, ps, q6, kbu, vbu, ks, vs), dn6, dd6, c)
         if gk is not None:
             dkp[:, :, span] += gk
             dvp[:, :, span] += gv

@@ -1,6 +1,6 @@
 """Incremental causal attention: a constant-size state continued by new tokens (generation)."""
 
-from .continuation import continue_attention
+from .continuation import DecodeCall, continue_attention
 from .state import DecodeState
 
-__all__ = ["DecodeState", "continue_attention"]
+__all__ = ["DecodeCall", "DecodeState", "continue_attention"]

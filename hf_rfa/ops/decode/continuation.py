@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
-from ..backends import honours_backend, resolve
-from ..feature.fused import causal_feature_attention
+from ..backends import honoured, resolve
+from ..feature.fused import ScanRun, causal_feature_attention
 from ..masks import MAX_CHUNK, MAX_SINKS, NEG, check_feature_inputs, check_feature_map, check_int, check_scale, guard_continuation, needs_grad, no_autocast, to_output_dtype, validate_qkv
 from ..partial import Partial, finalize, merge
 from ..recurrent import LinearState, fold, read
@@ -43,9 +42,11 @@ from .state import DecodeState, exact_part, join_sinks
 logger = logging.getLogger(__package__)  # "hf_rfa.ops.decode"
 
 
-def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size) -> tuple[int, int, int, int, int, int]:
+def _check_continuation(state, q, k, v, feature_map, attention_mask, settings: tuple) -> tuple[int, int, int, int, int, int]:
     """Every argument of :func:`continue_attention` checked against the others and the state
-    (ValueError naming it, before any computation); returns ``(B, H, n, D, Hkv, Dv)``."""
+    (ValueError naming it, before any computation; ``settings = (window, sinks, scale,
+    chunk_size)``); returns ``(B, H, n, D, Hkv, Dv)``."""
+    window, sinks, scale, chunk_size = settings
     if not isinstance(state, DecodeState):
         raise ValueError(f"state must be a DecodeState (DecodeState.empty before the first token), got {type(state).__name__}")
     b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)
@@ -77,12 +78,17 @@ def _check_continuation(state, q, k, v, feature_map, attention_mask, window, sin
 
 
 
-def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg, win_decay, e: int, g: int, chunk_size: int, be: str, grad: bool, backend: str):
-    """The feature part of ``n`` new queries ``xq [B, H, n, D]`` when the ``e`` oldest local keys
-    (``xk [B, Hkv, L, D]``, local 0..e-1) leave the window in this call: early queries (the window
-    still filling) read the state; a single decoding step folds the evicted key and reads; a
-    prefill / multi-token chunk runs the chunkwise-parallel scan continued from the state.
-    Returns ``(Partial, new linear state)``."""
+def _feature_part(feature_map, linear: LinearState, blk: "_Block", gates: tuple, e: int, chunk_size: int, backends: tuple):
+    """The feature part of the ``n`` new queries (the block's feature queries ``blk.xq_f [B, H, n,
+    D]``) when the ``e`` oldest local keys (``blk.xk_f [B, Hkv, L, D]``, local 0..e-1) leave the
+    window in this call: early queries (the window still filling) read the state; a single
+    decoding step folds the evicted key and reads; a prefill / multi-token chunk runs the
+    chunkwise-parallel scan continued from the state. ``gates = (cl, log1mg, win_decay)`` (Nones
+    ungated); ``backends = (resolved or "auto", grad, requested)``. Returns ``(Partial, new linear
+    state)``."""
+    xq, xk, vv, feat, g = blk.xq_f, blk.xk_f, blk.vv, blk.feat, blk.h // blk.hkv
+    cl, log1mg, win_decay = gates
+    be, grad, backend = backends
     b, hkv, n, d = xq.shape[0], xk.shape[1], xq.shape[2], xq.shape[3]
     early = n - e  # > 0 only while the window is filling (the state is still empty)
     nq_feat = n if e == 1 else early
@@ -112,7 +118,7 @@ def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg
         if not torch.compiler.is_compiling():  # dynamo cannot trace logging calls
             logger.debug("continue_attention: feature scan of %d key(s) by backend %s (requested %s)", e, be, backend)
         part, linear = causal_feature_attention(
-            feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], feat[:, :e], lq_add, lk_add, chunk_size, state=linear, backend=be,
+            feature_map, xq[:, :, early:], xk[:, :, :e], vv[:, :, :e], (feat[:, :e], lq_add, lk_add), ScanRun(chunk_size, backend=be), state=linear,
         )
         feats.append(part)
     part = Partial(
@@ -124,8 +130,20 @@ def _feature_part(feature_map, linear: LinearState, xq, xk, vv, feat, cl, log1mg
 
 
 
+@dataclass(frozen=True)
+class DecodeCall:
+    """The settings of :func:`continue_attention` (as in ``random_feature_attention``): the exact
+    window W, the sinks S, the logit ``scale`` (None: ``D ** -0.5``), the chunk length and the
+    requested backend. Checked by the call (ValueError naming the field)."""
+
+    window: int = 0
+    sinks: int = 0
+    scale: float | None = None
+    chunk_size: int = 64
+    backend: str = "auto"
+
+
 @no_autocast
-@honours_backend
 def continue_attention(
     state: DecodeState,
     q: torch.Tensor,
@@ -133,14 +151,8 @@ def continue_attention(
     v: torch.Tensor,
     feature_map,
     attention_mask: torch.Tensor | None = None,
-    window: int = 0,
-    sinks: int = 0,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    backend: str = "auto",
-    feature_q: torch.Tensor | None = None,
-    feature_k: torch.Tensor | None = None,
-    feature_key_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    settings: DecodeCall | None = None,
+    features: tuple = (None, None, None),
 ) -> tuple[torch.Tensor, DecodeState]:
     """Causal attention of ``n`` new tokens given the summarised past.
 
@@ -149,10 +161,11 @@ def continue_attention(
         q: ``[B, H, n, D]`` new queries; k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]`` new keys/values.
         feature_map: the layer's :class:`~hf_rfa.feature_maps.FeatureMap`.
         attention_mask: ``[B, n]`` padding mask of the new tokens (1/True = real) or None.
-        window, sinks, scale, chunk_size: as in ``random_feature_attention``.
-        backend: as in ``random_feature_attention`` (the same rule and refusals,
-            :func:`hf_rfa.ops.backends.resolve`; logged at DEBUG): it runs the feature scan of a
-            prefill / multi-token chunk; a single decoding step is the recurrent form.
+        settings: the layer's :class:`DecodeCall` (None: its defaults) — window, sinks, scale,
+            chunk_size as in ``random_feature_attention``, and backend as there (the same rule and
+            refusals, :func:`hf_rfa.ops.backends.resolve`; logged at DEBUG): it runs the feature
+            scan of a prefill / multi-token chunk; a single decoding step is the recurrent form.
+        features: ``(feature_q, feature_k, feature_key_fn)``, each or all None:
         feature_q, feature_k: the feature part's inputs for the new tokens (shapes of q, k), as in
             ``random_feature_attention``; the state must then keep them for its window
             (``DecodeState.empty(..., feature_keys=True)``), and every call must give them.
@@ -177,14 +190,26 @@ def continue_attention(
     (:func:`~hf_rfa.ops.masks.guard_continuation`: the state itself stays finite); a float16
     output is clamped to float16's range.
     """
-    b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, window, sinks, scale, chunk_size)
+    settings = DecodeCall() if settings is None else settings
+    if not isinstance(settings, DecodeCall):
+        raise ValueError(f"settings must be a DecodeCall (window, sinks, scale, chunk_size, backend) or None, got {type(settings).__name__}")
+    with honoured(settings.backend):  # (another backend asked: no compiled kernel even where enabled)
+        return _continue(state, (q, k, v), feature_map, attention_mask, settings, features)
+
+
+def _continue(state: DecodeState, qkv: tuple, feature_map, attention_mask, settings: DecodeCall, features: tuple) -> tuple[torch.Tensor, DecodeState]:
+    """:func:`continue_attention` (its arguments, ``qkv = (q, k, v)``)."""
+    q, k, v = qkv
+    window, sinks, scale, chunk_size, backend = settings.window, settings.sinks, settings.scale, settings.chunk_size, settings.backend
+    feature_q, feature_k, feature_key_fn = features
+    b, h, n, d, hkv, dv = _check_continuation(state, q, k, v, feature_map, attention_mask, (window, sinks, scale, chunk_size))
     feature_q, feature_k = _check_feature_inputs(state, q, k, feature_q, feature_k, feature_key_fn)
     if b == 0 or n == 0:  # nothing to attend: the state only counts the positions
         return q.new_zeros(b, h, n, dv), replace(state, seen=state.seen + n)
     scale = d**-0.5 if scale is None else float(scale)
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.nonfinite)
-    blk = _local_block(state, q, k, v, km, feature_q, feature_k, feature_key_fn, poison, nonfinite, sinks, scale**0.5)
+    blk = _local_block(state, (q, k, v), km, (feature_q, feature_k, feature_key_fn), (poison, nonfinite), sinks, scale**0.5)
     params = tuple(feature_map.parameters()) if isinstance(feature_map, torch.nn.Module) else ()
     grad = needs_grad(q, k, v, *state.tensors().values(), *params)
     # a named backend is checked (and refused) here, as by the prefill op; "auto" is resolved
@@ -245,7 +270,7 @@ def _check_feature_inputs(state: DecodeState, q, k, feature_q, feature_k, featur
         raise ValueError(
             "feature_q/feature_k must be given exactly when the state keeps feature keys "
             f"(DecodeState.empty(feature_keys=True)); state keeps them: {state.win_kf is not None}, given: {feature_k is not None}"
-            + ("; or pass feature_key_fn= with a state without them" if feature_k is None else "")
+            + ("; or pass feature_key_fn= (the third of features) with a state without them" if feature_k is None else "")
         )
     return feature_q, feature_k
 
@@ -284,8 +309,12 @@ def _guard_feature_inputs(feature_q, lkf_raw, km, wc: int, h: int, poison, nonfi
     return feature_q, lkf_raw, poison, nonfinite
 
 
-def _local_block(state: DecodeState, q, k, v, km, feature_q, feature_k, feature_key_fn, poison, nonfinite, sinks: int, root: float) -> _Block:
-    """The call's :class:`_Block` from guarded, finite q/k/v and the checked feature inputs."""
+def _local_block(state: DecodeState, qkv: tuple, km, features: tuple, guards: tuple, sinks: int, root: float) -> _Block:
+    """The call's :class:`_Block` from guarded, finite ``qkv = (q, k, v)``, the checked ``features
+    = (feature_q, feature_k, feature_key_fn)`` and ``guards = (poison, nonfinite)``."""
+    q, k, v = qkv
+    feature_q, feature_k, feature_key_fn = features
+    poison, nonfinite = guards
     b, h, n, _ = q.shape
     hkv = k.shape[1]
     ct = state.linear.S.dtype
@@ -318,10 +347,8 @@ def _attend(state: DecodeState, blk: _Block, feature_map, window: int, sinks: in
     parts: list[Partial] = []
     if window > 0 or sinks > 0:
         xs = sink_k.to(ct) * blk.root if sinks > 0 else None
-        parts.append(exact_part(
-            blk.xq.reshape(b, hkv, g, n, -1), blk.xk, blk.vv, blk.real, blk.wc, blk.pos0, window,
-            xs, sink_v.to(ct) if sinks > 0 else None, sink_pos, sink_exists, chunk_size,
-        ))
+        sink_terms = (xs, sink_v.to(ct), sink_pos, sink_exists) if sinks > 0 else None
+        parts.append(exact_part(blk.xq.reshape(b, hkv, g, n, -1), blk.xk, blk.vv, blk.real, (blk.wc, blk.pos0), window, sink_terms, chunk_size))
     linear = state.linear
     win_decay = torch.cat([state.win_decay, torch.zeros(b, hkv, n, dtype=ct, device=dev)], dim=2)
     cl = log1mg_all = None
@@ -333,8 +360,7 @@ def _attend(state: DecodeState, blk: _Block, feature_map, window: int, sinks: in
     # keys leaving the window in this call (local 0..e-1); new query m sees those up to m + e - n
     e = max(0, blk.wc + n - window) if not getattr(feature_map, "null", False) else 0  # 'none': evicted keys are dropped
     if e > 0:
-        be, grad, backend = backends
-        part, linear = _feature_part(feature_map, linear, blk.xq_f, blk.xk_f, blk.vv, blk.feat, cl, log1mg_all, win_decay, e, g, chunk_size, be, grad, backend)
+        part, linear = _feature_part(feature_map, linear, blk, (cl, log1mg_all, win_decay), e, chunk_size, backends)
         parts.append(part)
     if cl is not None:  # re-express state and kept keys relative to the last token
         cl_total = cl[..., -1]
@@ -369,4 +395,4 @@ def _next_state(state: DecodeState, blk: _Block, linear: LinearState, win_decay,
     )
 
 
-__all__ = ["DecodeState", "continue_attention"]
+__all__ = ["DecodeCall", "DecodeState", "continue_attention"]

@@ -34,7 +34,7 @@ class DecodeState:
     seen:        positions seen so far, padding included (the sequence length).
     win_kf:      ``[B, Hkv, Wc, D]`` the feature part's keys of the kept positions (``feature_k``,
                  e.g. un-rotated keys), or None when the feature part reads the keys themselves
-                 or derives them from ``win_k`` (``continue_attention(feature_key_fn=)``: the
+                 or derives them from ``win_k`` (``continue_attention``'s ``feature_key_fn``: the
                  state is then exactly the plain one, nothing per layer added).
     """
 
@@ -56,21 +56,19 @@ class DecodeState:
     @classmethod
     def empty(
         cls,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        value_dim: int,
-        feature_dim: int,
+        shape: tuple[int, int, int, int, int],
         sinks: int,
         dtype: torch.dtype,
         device=None,
         compute_dtype: torch.dtype = torch.float32,
         feature_keys: bool = False,
     ) -> "DecodeState":
-        """State before the first token: key/value buffers in ``dtype``, sums in ``compute_dtype``;
-        ``feature_keys``: also keep the window's feature-part keys (``continue_attention(feature_k=)``;
-        not for ``feature_key_fn=``, which derives them from the kept keys)."""
-        b, h = batch, kv_heads
+        """State before the first token for ``shape = (batch, kv_heads, head_dim, value_dim,
+        feature_dim)`` and ``sinks`` sink slots: key/value buffers in ``dtype``, sums in
+        ``compute_dtype``; ``feature_keys``: also keep the window's feature-part keys
+        (``continue_attention`` given ``feature_k``; not for a ``feature_key_fn``, which derives
+        them from the kept keys)."""
+        b, h, head_dim, value_dim, feature_dim = shape
         return cls(
             linear=LinearState.zeros(b, h, feature_dim, value_dim, device=device, dtype=compute_dtype),
             win_k=torch.zeros(b, h, 0, head_dim, dtype=dtype, device=device),
@@ -111,21 +109,20 @@ def exact_part(
     xk: torch.Tensor,
     v: torch.Tensor,
     real: torch.Tensor,
-    q0: int,
-    pos0: int,
+    offsets: tuple[int, int],
     window: int,
-    sink_k: torch.Tensor | None,
-    sink_v: torch.Tensor | None,
-    sink_pos: torch.Tensor | None,
-    sink_ok: torch.Tensor | None,
+    sinks: tuple | None,
     chunk_size: int,
 ) -> Partial:
     """Exact softmax over the window band and the sinks, for the new queries only.
 
     xq ``[B, Hkv, G, n, D]`` (local indices ``q0 … q0+n-1``), xk ``[B, Hkv, L, D]``, v
     ``[B, Hkv, L, Dv]`` and real ``[B, L]`` of the local block (local index i is absolute position
-    ``pos0 + i``); sink_k/v ``[B, Hkv, S, ·]`` (already scaled keys), sink_pos/sink_ok ``[B, S]``.
+    ``pos0 + i``; ``offsets = (q0, pos0)``); ``sinks = (sink_k, sink_v, sink_pos, sink_ok)`` or
+    None: sink_k/v ``[B, Hkv, S, ·]`` (already scaled keys), sink_pos/sink_ok ``[B, S]``.
     """
+    q0, pos0 = offsets
+    sink_k, sink_v, sink_pos, sink_ok = sinks if sinks is not None else (None, None, None, None)
     b, hkv, g, n, _ = xq.shape
     dev = xq.device
     nums, dens, lss = [], [], []

@@ -29,6 +29,10 @@ from ..masks import NEG, needs_grad
 #: one block's ``(qf, lq, kf, lk, v)``
 Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]
 
+#: one block's raw inputs ``(xq [B,H,T,D], xk [B,Hkv,T,D], v [B,Hkv,T,Dv], key mask [B,T] | None,
+#: query gate term [B,Hkv,G,T] | None, key gate term [B,Hkv,T] | None)``
+Tokens = tuple
+
 
 def with_ones(v: torch.Tensor) -> torch.Tensor:
     """``[..., N, Dv]`` → ``[..., N, Dv+1]`` with a trailing column of ones (the denominator)."""
@@ -52,9 +56,11 @@ def _unscaled_tiles(q3, k3, v3, a, S, nc: int, grad: bool) -> tuple[torch.Tensor
     return out, S_out
 
 
-def _scaled_tiles(q3, k3, v3, scores, drop, lk, S, ref, grad: bool):
-    """Keys with log scales ``lk [B,Hkv,T]``: ``(out [B·Hkv·L, G·C, Dv+1], mt [B,Hkv,T], S'
-    [B·Hkv, F·(Dv+1)], ref' [B,Hkv])`` — ``mt`` is each query's running max (its log scale)."""
+def _scaled_tiles(q3, k3, v3, scores, drop, lk, state: tuple, grad: bool):
+    """Keys with log scales ``lk [B,Hkv,T]`` and the incoming ``state = (S, ref)``: ``(out
+    [B·Hkv·L, G·C, Dv+1], mt [B,Hkv,T], S' [B·Hkv, F·(Dv+1)], ref' [B,Hkv])`` — ``mt`` is each
+    query's running max (its log scale)."""
+    S, ref = state
     n3, c, f = k3.shape
     dv1, g = v3.shape[-1], scores.shape[1]
     b, hkv, t = lk.shape
@@ -129,7 +135,7 @@ def causal_block(
         out, S_out = _unscaled_tiles(q3, k3, v3, a, S, nc, grad)
         ls, ref_out = ref[:, :, None, None].expand(b, hkv, g, t), ref
     else:
-        out, mt, S_out, ref_out = _scaled_tiles(q3, k3, v3, scores, drop, lk, S, ref, grad)
+        out, mt, S_out, ref_out = _scaled_tiles(q3, k3, v3, scores, drop, lk, (S, ref), grad)
         ls = mt.unsqueeze(2).expand(b, hkv, g, t)
     out = out.view(b, hkv, nc, g, c, dv1).transpose(2, 3).reshape(b, hkv, g, t, dv1)
     return out, ls, S_out.view(b, hkv, f, dv1), ref_out
@@ -141,9 +147,11 @@ def block_step(qf, lq, kf, lk, v, S, ref, chunk: int):
     return causal_block(qf, lq, kf, lk, with_ones(v.to(qf.dtype)), S, ref, chunk)
 
 
-def block_features(feature_map, xqb, xkb, vb, kmb, lqab, lkab, x_scale: float, ct: torch.dtype, hkv: int) -> Block:
-    """One block's ``(qf [B,Hkv,G,T,F], lq, kf [B,Hkv,T,F], lk, v)`` from raw ``xqb [B,H,T,D]``,
-    ``xkb [B,Hkv,T,D]``, ``vb``, key mask ``kmb [B,T]``, gate offsets ``lqab``/``lkab`` (autograd form)."""
+def block_features(feature_map, tokens: Tokens, x_scale: float, ct: torch.dtype, hkv: int) -> Block:
+    """One block's ``(qf [B,Hkv,G,T,F], lq, kf [B,Hkv,T,F], lk, v)`` from its raw ``tokens = (xqb
+    [B,H,T,D], xkb [B,Hkv,T,D], vb, key mask kmb [B,T], gate offsets lqab, lkab)`` (:data:`Tokens`;
+    autograd form)."""
+    xqb, xkb, vb, kmb, lqab, lkab = tokens
     if x_scale != 1.0:  # (in the compute dtype: bf16/fp16 inputs are not rounded again)
         xqb, xkb = xqb.to(ct) * x_scale, xkb.to(ct) * x_scale
     fq, fk = feature_map.forward_queries(xqb), feature_map.forward_keys(xkb)
@@ -178,4 +186,4 @@ def key_terms(fk, kmb, lkab, in_place: bool = False) -> tuple[torch.Tensor, torc
     return kf, lk
 
 
-__all__ = ["Block", "assemble_block", "block_features", "block_step", "causal_block", "key_terms", "with_ones"]
+__all__ = ["Block", "Tokens", "assemble_block", "block_features", "block_step", "causal_block", "key_terms", "with_ones"]

@@ -16,14 +16,15 @@ import torch
 
 from ..autograd import add_grad, grads, leaf, param_leaves, with_params
 from ..masks import no_autocast
-from .chunkwise import block_features, block_step
+from .chunkwise import Tokens, block_features, block_step
 from .scan import ScanSpec, split_tokens
 
 
-def scan_block(spec: ScanSpec, c: int, S, ref, xqb, xkb, vb, kmb, lqab, lkab):
-    """One block of the causal feature scan: ``(out [B,Hkv,G,T,Dv+1], ls [B,Hkv,G,T], S', ref')``."""
-    hkv = xkb.shape[1]
-    qf, lq, kf, lk, vb = block_features(spec.feature_map, xqb, xkb, vb, kmb, lqab, lkab, spec.x_scale, spec.ct, hkv)
+def scan_block(spec: ScanSpec, c: int, S, ref, tokens: Tokens):
+    """One block of the causal feature scan from its :data:`~hf_rfa.ops.feature.chunkwise.Tokens`:
+    ``(out [B,Hkv,G,T,Dv+1], ls [B,Hkv,G,T], S', ref')``."""
+    hkv = tokens[1].shape[1]
+    qf, lq, kf, lk, vb = block_features(spec.feature_map, tokens, spec.x_scale, spec.ct, hkv)
     if not spec.scaled:
         lk = None
     out, ls, S, ref = block_step(qf, lq, kf, lk, vb, S, ref, c)
@@ -42,7 +43,9 @@ class ScanFunction(torch.autograd.Function):
     block (``[F, Dv+1]`` per kv head and block)."""
 
     @staticmethod
-    def forward(ctx, spec: ScanSpec, S0, ref0, key_mask, xq, xk, v, lq_add, lk_add, *params):
+    def forward(ctx, spec: ScanSpec, *inputs):
+        S0, ref0, key_mask, xq, xk, v, lq_add, lk_add = inputs[:8]
+        params = inputs[8:]
         sizes = [t for t, _ in spec.plan]
         cut = _cuts(sizes, key_mask, xq, xk, v, lq_add, lk_add)
         S, ref = S0, ref0
@@ -53,7 +56,7 @@ class ScanFunction(torch.autograd.Function):
             for i, (_, c) in enumerate(spec.plan):
                 states.append(S)
                 refs.append(ref)
-                o, ls, S, ref = scan_block(spec, c, S, ref, *(x[i] for x in cut))
+                o, ls, S, ref = scan_block(spec, c, S, ref, tuple(x[i] for x in cut))
                 outs.append(o)
                 lss.append(ls)
 
@@ -83,7 +86,7 @@ class ScanFunction(torch.autograd.Function):
             leaves = [leaf(x[i]) if x[i] is not None and x[i].is_floating_point() else x[i] for x in cut]
             S_in = states[i].detach().requires_grad_()
             with torch.enable_grad():
-                o, ls, S_out, _ = with_params(spec.feature_map, spec.names, params, functools.partial(scan_block, spec, c, S_in, refs[i], *leaves))
+                o, ls, S_out, _ = with_params(spec.feature_map, spec.names, params, functools.partial(scan_block, spec, c, S_in, refs[i], tuple(leaves)))
             got = grads([o, ls, S_out], [douts[i], dlss[i], dS], [S_in, *params, *leaves])
             dS = got[0]
             dparams = [add_grad(a, g_) for a, g_ in zip(dparams, got[1 : 1 + len(params)])]

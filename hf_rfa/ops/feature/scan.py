@@ -147,7 +147,7 @@ def _causal_scan_into(get, plan, state: LinearState, scaled: bool, g: int, dest,
     t_full, c_full = plan[0]
     out = torch.empty(b, hkv, g, n, dv1, dtype=dtype, device=dev) if dest is None else None
     ls_k = torch.empty(b, hkv, n, dtype=dtype, device=dev) if dest is None else None  # (normalised: not needed)
-    ws = workspace(b, hkv, g, t_full, c_full, f, dv1, dtype, dev) if t_full > c_full else None
+    ws = workspace((b, hkv, g, t_full, c_full, f, dv1), dtype, dev) if t_full > c_full else None
     S, ref = state_matrix(state, scaled, ws.S.view(b, hkv, f, dv1) if ws is not None else None)
     lqs, t0 = [], 0
     for i, (t, c) in enumerate(plan):
@@ -157,7 +157,7 @@ def _causal_scan_into(get, plan, state: LinearState, scaled: bool, g: int, dest,
             lk = None
         o_blk = out[:, :, :, t0 : t0 + t] if dest is None else dest[:, :, :, t0 : t0 + t]
         if full:
-            S, ref = causal_block_into(ws, qf, kf, lk, v, S, ref, o_blk, ls_k[:, :, t0 : t0 + t] if dest is None else None, eps if dest is not None else None)
+            S, ref = causal_block_into(ws, qf, kf, lk, v, (S, ref), (o_blk, ls_k[:, :, t0 : t0 + t] if dest is None else None, eps if dest is not None else None))
         else:
             o, ls, S, ref = block_step(qf, lq, kf, lk, v, S, ref, c)
             if dest is None:

@@ -5,6 +5,7 @@ the recomputation in backward), and the index arithmetic of keys delayed by the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -113,11 +114,31 @@ def band_partial(spec: HybridSpec, unit, pb, ps, r, vbu, vs) -> tuple[torch.Tens
     return num, den, ls
 
 
-def feature_inputs(spec: HybridSpec, unit, xq, k, v, feat_mask, lq_add, lk_add, cos=None, sin=None) -> list:
-    """The scan's inputs for the block's queries ``[t0, t1)``: ``xq`` (the block's queries), keys,
-    values, feature mask and key gate term delayed by W (key ``t − W`` for query ``t``; none for
-    ``t < W``), the block's query gate term. Keys/values in the compute dtype; with ``cos``/``sin``
-    ``[B|1, N, Dr]`` the delayed keys un-rotated at their own positions."""
+class HybridInputs(NamedTuple):
+    """The tensors of :class:`~hf_rfa.ops.hybrid.function.HybridFunction` before its parameters, in
+    its input order: q, k, v, the feature inputs ``fq``/``fk`` (or None), the rotary embedding
+    ``cos``/``sin`` to undo (or None), the feature mask and the gate terms (or None)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    fq: torch.Tensor | None
+    fk: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    feat_mask: torch.Tensor | None
+    lq_add: torch.Tensor | None
+    lk_add: torch.Tensor | None
+
+
+def feature_inputs(spec: HybridSpec, unit, xq, x) -> list:
+    """The scan's inputs for the block's queries ``[t0, t1)``: ``xq`` (the block's queries), keys
+    (``x.fk``, else ``x.k``), values, feature mask and key gate term delayed by W (key ``t − W``
+    for query ``t``; none for ``t < W``), the block's query gate term. Keys/values in the compute
+    dtype; with ``x.cos``/``x.sin`` ``[B|1, N, Dr]`` the delayed keys un-rotated at their own
+    positions. ``x``: the call's :class:`HybridInputs` (or anything with those fields)."""
+    k = x.k if x.fk is None else x.fk
+    v, feat_mask, lq_add, lk_add, cos, sin = x.v, x.feat_mask, x.lq_add, x.lk_add, x.cos, x.sin
     t0, t1 = unit[0], unit[1]
     w, ct = spec.window, spec.ct
     kb = window_slice(k, t0 - w, t1 - w, 2).to(ct)
@@ -141,7 +162,7 @@ def feature_unit(spec: HybridSpec, unit, S, ref, inputs: list):
     for j, i in enumerate(idx):
         states.append(S)
         refs.append(ref)
-        o, ls, S, ref = scan_block(scan, scan.plan[i][1], S, ref, *(x[j] for x in cut))
+        o, ls, S, ref = scan_block(scan, scan.plan[i][1], S, ref, tuple(x[j] for x in cut))
         outs.append(o)
         lss.append(ls)
     o = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
@@ -182,4 +203,4 @@ def block_queries(spec: HybridSpec, xq, fq, cos, sin, t0: int, t1: int) -> torch
     return xq
 
 
-__all__ = ["HybridSpec", "add_window", "band_partial", "band_unit", "block_queries", "combine", "feature_inputs", "feature_unit", "initial_state", "plan_units", "sink_inputs", "window_slice"]
+__all__ = ["HybridInputs", "HybridSpec", "add_window", "band_partial", "band_unit", "block_queries", "combine", "feature_inputs", "feature_unit", "initial_state", "plan_units", "sink_inputs", "window_slice"]

@@ -32,6 +32,7 @@ form (``checkpoint_blocks=False``; ``tests/ops/test_hybrid_recompute.py``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -44,53 +45,76 @@ from ..feature.scan import ScanSpec, plan_blocks
 from ..masks import exp_floor, no_autocast
 from ..partial import Partial
 from ..rotary import unrotate_adjoint
-from .blocks import HybridSpec, add_window, band_partial, band_unit, block_queries, combine, feature_inputs, feature_unit, initial_state, plan_units, sink_inputs, window_slice
+from ..spec import CallPlan
+from .blocks import HybridInputs, HybridSpec, add_window, band_partial, band_unit, block_queries, combine, feature_inputs, feature_unit, initial_state, plan_units, sink_inputs, window_slice
 
 
-def hybrid_attention(q, k, v, feature_map, key_mask, feat_mask, window: int, sinks: int, scale: float, chunk_size: int = 64, block_size: int = 512, lq_add=None, lk_add=None, feature: bool = True, feature_q=None, feature_k=None, rope=None, native_band: bool = False) -> torch.Tensor:
-    """Causal hybrid (exact window + sinks, feature map for the other keys) by
-    :class:`HybridFunction`: ``q [B,H,N,D]``, ``k [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]``,
-    ``key_mask [B,N]`` bool or None (padding), ``feat_mask [B,N]`` bool (keys the feature part
-    answers: real and not sinks; required with ``feature``), ``window`` < N when ``feature``,
-    gate terms ``lq_add [B,Hkv,1|G,N]`` / ``lk_add [B,Hkv,N]`` (unshifted; computed by the caller
-    from the keys the feature part reads) or None. ``feature`` False: the exact part alone.
+@dataclass(frozen=True)
+class HybridArgs:
+    """The tensors of a :func:`hybrid_attention` call besides q, k, v: ``key_mask [B,N]`` bool or
+    None (padding), ``feat_mask [B,N]`` bool (keys the feature part answers: real and not sinks;
+    required with a feature part), gate terms ``lq_add [B,Hkv,1|G,N]`` / ``lk_add [B,Hkv,N]``
+    (unshifted; computed by the caller from the keys the feature part reads) or None,
     ``feature_q [B,H,N,D]`` / ``feature_k [B,Hkv,N,D]`` (both or neither; ignored without a
-    feature part): what the feature scan reads instead of q/k (the band always reads q, k).
+    feature part): what the feature scan reads instead of q/k (the band always reads q, k), and
     ``rope = (cos, sin)`` ``[B|1, N, Dr]`` (not with feature_q/feature_k): the scan reads q/k with
-    that rotary embedding undone, recomputed per block (nothing un-rotated is saved).
-    ``native_band``: forward answers the exact band with the C++ kernel where it is usable (CPU,
-    float32 compute, not compiling; see :func:`~hf_rfa.ops.backends.native.usable`), else PyTorch.
-    Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
-    b, h, n, d = q.shape
-    hkv = k.shape[1]
-    if (feature_q is None) != (feature_k is None):
+    that rotary embedding undone, recomputed per block (nothing un-rotated is saved)."""
+
+    key_mask: torch.Tensor | None
+    feat_mask: torch.Tensor | None
+    lq_add: torch.Tensor | None = None
+    lk_add: torch.Tensor | None = None
+    feature_q: torch.Tensor | None = None
+    feature_k: torch.Tensor | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _check_args(q, k, call: CallPlan, x: HybridArgs, feature: bool) -> None:
+    """The arguments of :func:`hybrid_attention` against each other (ValueError naming them)."""
+    b, n = q.shape[0], q.shape[2]
+    window, sinks, feat_mask = call.window, call.sinks, x.feat_mask
+    if (x.feature_q is None) != (x.feature_k is None):
         raise ValueError("feature_q and feature_k go together")
-    if rope is not None and feature_q is not None:
+    if x.rope is not None and x.feature_q is not None:
         raise ValueError("give either feature_q/feature_k or rope, not both")
-    if feature_q is not None and (feature_q.shape != q.shape or feature_k.shape != k.shape):
-        raise ValueError(f"feature_q/feature_k must have the shapes of q/k {tuple(q.shape)}/{tuple(k.shape)}, got {tuple(feature_q.shape)}/{tuple(feature_k.shape)}")
+    if x.feature_q is not None and (x.feature_q.shape != q.shape or x.feature_k.shape != k.shape):
+        raise ValueError(f"feature_q/feature_k must have the shapes of q/k {tuple(q.shape)}/{tuple(k.shape)}, got {tuple(x.feature_q.shape)}/{tuple(x.feature_k.shape)}")
     if window < 0 or sinks < 0 or (window == 0 and sinks == 0):
         raise ValueError(f"window and sinks must be >= 0 with at least one > 0, got window={window}, sinks={sinks}")
     if feature and window >= n:
         raise ValueError(f"window must be < N with a feature part, got window={window}, N={n}")
     if feature and (feat_mask is None or tuple(feat_mask.shape) != (b, n) or feat_mask.dtype != torch.bool):
         raise ValueError(f"feat_mask must be a bool [B, N] = [{b}, {n}] tensor with a feature part, got {None if feat_mask is None else (tuple(feat_mask.shape), feat_mask.dtype)}")
+
+
+def hybrid_attention(q, k, v, feature_map, call: CallPlan, args: HybridArgs, feature: bool = True, block_size: int = 512) -> torch.Tensor:
+    """Causal hybrid (exact window + sinks, feature map for the other keys) by
+    :class:`HybridFunction`: ``q [B,H,N,D]``, ``k [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]``; ``call``: the
+    :class:`~hf_rfa.ops.spec.CallPlan` (window < N when ``feature``, sinks, scale, its spec's chunk
+    size; ``call.native_forward``: forward answers the exact band with the C++ kernel where it is
+    usable — CPU, float32 compute, not compiling; see :func:`~hf_rfa.ops.backends.native.usable`
+    — else PyTorch); ``args``: the other tensors (:class:`HybridArgs`). ``feature`` False: the
+    exact part alone. Returns ``[B,Hkv,G,N,Dv]`` float32 (float64 for float64 q)."""
+    b, h, n, d = q.shape
+    hkv = k.shape[1]
+    _check_args(q, k, call, args, feature)
+    window, sinks, scale = call.window, call.sinks, call.scale
+    feature_q, feature_k, rope = (args.feature_q, args.feature_k, args.rope) if feature else (None, None, None)
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    plan = band_plan(q.unflatten(1, (hkv, h // hkv)), key_mask, window, sinks, True, chunk_size, block_size)
+    plan = band_plan(q.unflatten(1, (hkv, h // hkv)), args.key_mask, window, sinks, True, call.spec.chunk_size, block_size)
     scan = None
     params: tuple = ()
-    if not feature:
-        feature_q = feature_k = rope = None
     cos, sin = rope if rope is not None else (None, None)
     if feature:
         with torch.no_grad():
             probe = feature_map.forward_keys((k if feature_k is None else feature_k)[:, :, :1].to(ct) * scale**0.5)
-        scaled = probe.log_scale is not None or lk_add is not None
+        scaled = probe.log_scale is not None or args.lk_add is not None
         names, params = map_params(feature_map)
-        scan = ScanSpec(feature_map, plan_blocks(n, chunk_size, block_size), scale**0.5, scaled, h // hkv, ct, names)
-    native_band = native_band and native.usable(q.device, ct)
+        scan = ScanSpec(feature_map, plan_blocks(n, call.spec.chunk_size, block_size), scale**0.5, scaled, h // hkv, ct, names)
+    native_band = call.native_forward and native.usable(q.device, ct)
     spec = HybridSpec(plan, scan, plan_units(plan, scan), window, scale**0.5, feature_map.eps, ct, native_band)
-    return HybridFunction.apply(spec, q, k, v, feature_q, feature_k, cos, sin, feat_mask if feature else None, lq_add, lk_add, *params)
+    x = HybridInputs(q, k, v, feature_q, feature_k, cos, sin, args.feat_mask if feature else None, args.lq_add, args.lk_add)
+    return HybridFunction.apply(spec, *x, *params)
 
 
 #: index of the first ``*params`` tensor in :meth:`HybridFunction.forward`'s inputs (after ctx)
@@ -109,12 +133,13 @@ class HybridFunction(torch.autograd.Function):
     scan's state entering each block (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, spec: HybridSpec, q, k, v, feature_q, feature_k, cos, sin, feat_mask, lq_add, lk_add, *params):
+    def forward(ctx, spec: HybridSpec, *inputs):
+        x, params = HybridInputs(*inputs[: _NPOS - 1]), inputs[_NPOS - 1 :]
+        q, k, v, feature_q, feature_k, cos, sin, feat_mask, lq_add, lk_add = x
         b, h, n, _ = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         out = torch.empty(b, hkv, h // hkv, n, dv, dtype=spec.ct, device=q.device)
         states, refs = [], []
-        fk = k if feature_k is None else feature_k
 
         def run():
             ks, vs = sink_inputs(spec, k, v)
@@ -132,7 +157,7 @@ class HybridFunction(torch.autograd.Function):
                 feat = None
                 if spec.scan is not None:
                     fq = block_queries(spec, xq, feature_q, cos, sin, t0, t1)
-                    feat, S, ref, st, rf = feature_unit(spec, unit, S, ref, feature_inputs(spec, unit, fq, fk, v, feat_mask, lq_add, lk_add, cos, sin))
+                    feat, S, ref, st, rf = feature_unit(spec, unit, S, ref, feature_inputs(spec, unit, fq, x))
                     states.extend(st)
                     refs.extend(rf)
                 out[:, :, :, t0:t1] = combine(spec, band, feat)
@@ -152,7 +177,7 @@ class HybridFunction(torch.autograd.Function):
         q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
         inputs = _Saved(q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs)
         params = _backward_params(ctx, spec, saved)
-        acc = _Grads(spec, q, k, v, fq, fk, lq_add, lk_add, len(params), cos is not None)
+        acc = _Grads(spec, inputs, len(params))
         dS = None
 
         def run():
@@ -162,14 +187,14 @@ class HybridFunction(torch.autograd.Function):
                 dS = _unit_backward(spec, unit, inputs, (ks, vs), params, dout, dS, acc)
 
         _bound(spec, params, run)
-        return (None, *acc.result(ctx.needs_input_grad, q, k, v, fq, fk, cos, sin, lq_add, lk_add))
+        return (None, *acc.result(ctx.needs_input_grad, inputs))
 
 
 def _native_band(spec: HybridSpec, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact band's ``(num [B,Hkv,G,N,Dv], den [B,Hkv,G,N], ls)`` for every query at once, by
     the C++ kernel (float32; forward only: backward recomputes the band per block in PyTorch)."""
     plan = spec.plan
-    num, den, ls = native.causal_band(q, k, v, spec.root**2, plan.key_mask, plan.window, plan.spos, plan.sexists, plan.c, exp_floor(torch.float32))
+    num, den, ls = native.causal_band(q, k, v, spec.root**2, plan.key_mask, plan.window, (plan.spos, plan.sexists), native.KernelRun(plan.c, exp_floor(torch.float32)))
     shape = (plan.b, plan.hkv, plan.g, plan.n)
     return num.view(*shape, -1), den.view(shape), ls.view(shape)
 
@@ -207,7 +232,9 @@ def _bound(spec: HybridSpec, params, fn) -> None:
 class _Grads:
     """Input gradients of :class:`HybridFunction` accumulated over the blocks (compute dtype)."""
 
-    def __init__(self, spec: HybridSpec, q, k, v, fq, fk, lq_add, lk_add, nparams: int, rope: bool = False):
+    def __init__(self, spec: HybridSpec, x, nparams: int):
+        """``x``: the saved inputs (:class:`_Saved`); ``nparams``: how many parameter tensors."""
+        q, k, v, fq, fk, lq_add, lk_add, rope = x.q, x.k, x.v, x.fq, x.fk, x.lq_add, x.lk_add, x.cos is not None
         ct = spec.ct
         self.spec = spec
         self.dq = torch.zeros(q.shape, dtype=ct, device=q.device)
@@ -223,11 +250,12 @@ class _Grads:
         self.dks = self.dvs = None
         self.dparams: list = [None] * nparams
 
-    def result(self, needs, q, k, v, fq, fk, cos, sin, lq_add, lk_add) -> list:
+    def result(self, needs, x) -> list:
         """``(dq, dk, dv, dfq, dfk, None, None, None, dlq, dlk, *dparams)`` in the inputs' dtypes
         (the sinks' key and value gradients scattered back to their positions; with ``cos``/``sin``
         the scan's query/key gradients mapped back through the un-rotation into dq/dk; None where
-        ``needs``, the Function's ``needs_input_grad``, says no)."""
+        ``needs``, the Function's ``needs_input_grad``, says no; ``x``: the saved inputs)."""
+        q, k, v, fq, fk, cos, sin = x.q, x.k, x.v, x.fq, x.fk, x.cos, x.sin
         plan = self.spec.plan
         if self.dks is not None:
             idx = plan.spos[:, None, :, None]
@@ -276,7 +304,7 @@ def _unit_backward(spec: HybridSpec, unit, x: _Saved, sinks: tuple, params, dout
     leaves: list = []
     if spec.scan is not None:
         xf = block_queries(spec, xq, x.fq, x.cos, x.sin, t0, t1)
-        leaves = [leaf(y) for y in feature_inputs(spec, unit, xf, x.k if x.fk is None else x.fk, x.v, x.feat_mask, x.lq_add, x.lk_add, x.cos, x.sin)]
+        leaves = [leaf(y) for y in feature_inputs(spec, unit, xf, x)]
         i0 = unit[4][0]
         S_in = x.states[i0].detach().requires_grad_()
         with torch.enable_grad():
@@ -326,7 +354,7 @@ def _scatter_band_grads(spec: HybridSpec, unit, tiles: tuple, dnum_b, dden_b, ac
     L, c, rows = c1 - c0, plan.c, (c1 - c0) * plan.c
     dn6 = stack_rows(window_slice(dnum_b, 0, rows, 3), L, c)
     dd6 = stack_rows(window_slice(dden_b, 0, rows, 3).unsqueeze(-1), L, c)
-    dq6, gk, gv, gks, gvs = band_block_grads(pb, ps, q6, kbu, vbu, ks, vs, dn6, dd6, c)
+    dq6, gk, gv, gks, gvs = band_block_grads((pb, ps, q6, kbu, vbu, ks, vs), dn6, dd6, c)
     dq = unstack_rows(dq6, plan.g, c)[..., : t1 - t0, :] * spec.root
     acc.dq[:, :, t0:t1] += dq.flatten(1, 2)
     if gk is not None:
@@ -337,4 +365,4 @@ def _scatter_band_grads(spec: HybridSpec, unit, tiles: tuple, dnum_b, dden_b, ac
         acc.dvs = gvs if acc.dvs is None else acc.dvs.add_(gvs)
 
 
-__all__ = ["HybridFunction", "HybridSpec", "hybrid_attention"]
+__all__ = ["HybridArgs", "HybridFunction", "HybridInputs", "HybridSpec", "hybrid_attention"]

@@ -71,16 +71,16 @@ from ..masks import MAX_CHUNK, MAX_SINKS, check_feature_inputs, check_feature_ma
 from . import periods
 from .scores import MEMORY_SCORES, feature_error, value_norm
 from .sequential import run_sequential
-from .state import MAX_MEMORY, MemoryState, check_memory_args
+from .state import MAX_MEMORY, MemoryCall, MemoryState, check_memory_args
 
 
-def _dispatch(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+def _dispatch(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple) -> tuple[torch.Tensor, MemoryState]:
     """:func:`run_sequential`'s arguments → its result, by the period-parallel form
     (:func:`hf_rfa.ops.memory.periods.run_periods`) for calls of more than one period's tokens
     and by the sequential form for shorter ones (decoding steps)."""
-    if q.shape[2] > memory_every:
-        return periods.run_periods(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
-    return run_sequential(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, fq, fk)
+    if q.shape[2] > settings.memory_every:
+        return periods.run_periods(state, q, k, v, km, feature_map, settings, features)
+    return run_sequential(state, q, k, v, km, feature_map, settings, features)
 
 
 def memory_attention(
@@ -89,22 +89,17 @@ def memory_attention(
     v: torch.Tensor,
     feature_map,
     key_mask: torch.Tensor | None,
-    window: int,
-    sinks: int,
-    memory: int,
-    memory_every: int,
-    scale: float,
-    chunk_size: int = 64,
-    native_band: bool = False,
-    memory_score: str = "value_norm",
+    call,
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal hybrid attention with an exact memory over a whole sequence (the prefill form;
-    ``random_feature_attention(memory=M)`` calls it on checked, finite inputs; ``native_band``:
-    the exact window/sink part runs the compiled CPU kernel, as the op without memory does;
-    ``memory_score``: how the memory ranks its candidates, :data:`MEMORY_SCORES`;
-    ``feature_q``/``feature_k``: what the feature part reads, shapes of q/k, e.g. un-rotated).
+    ``random_feature_attention(memory=M)`` calls it on checked, finite inputs). ``call``: the
+    :class:`~hf_rfa.ops.spec.CallPlan` — window, sinks, scale, and its spec's memory, memory_every,
+    memory_score (how the memory ranks its candidates, :data:`MEMORY_SCORES`) and chunk size;
+    ``call.native_band``: the exact window/sink part runs the compiled CPU kernel, as the op without
+    memory does. ``feature_q``/``feature_k``: what the feature part reads, shapes of q/k, e.g.
+    un-rotated.
 
     q ``[B, H, Nq, D]`` (the last Nq of the Nk positions), k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk,
     Dv]``, key_mask ``[B, Nk]`` bool or None → ``[B, H, Nq, Dv]`` in q's dtype.
@@ -117,14 +112,20 @@ def memory_attention(
         if feature_q is not None:
             feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
-    state = MemoryState.empty(b, hkv, d, dv, feature_map.feature_dim, sinks, memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
-    out, _ = _dispatch(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, native_band, memory_score, feature_q, feature_k)
+    spec = call.spec
+    settings = MemoryCall(call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score)
+    state = MemoryState.empty((b, hkv, d, dv, feature_map.feature_dim), call.sinks, spec.memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
+    out, _ = _dispatch(state, q, k, v, km, feature_map, settings, (feature_q, feature_k))
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
 
 
-def _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score="value_norm", feature_q=None, feature_k=None):
-    """Arguments of :func:`continue_memory_attention` against each other and the state
-    (ValueError naming the argument); returns ``(B, H, n, D, Hkv, Dv)``."""
+def _check(state, q, k, v, feature_map, attention_mask, settings: MemoryCall, features: tuple):
+    """Arguments of :func:`continue_memory_attention` (its settings as one :class:`MemoryCall`,
+    ``features = (feature_q, feature_k)``) against each other and the state (ValueError naming the
+    argument); returns ``(B, H, n, D, Hkv, Dv)``."""
+    window, sinks, memory, memory_every, scale = settings.window, settings.sinks, settings.memory, settings.memory_every, settings.scale
+    chunk_size, memory_score = settings.chunk_size, settings.memory_score
+    feature_q, feature_k = features
     if not isinstance(state, MemoryState):
         raise ValueError(f"state must be a MemoryState (MemoryState.empty before the first token), got {type(state).__name__}")
     b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)
@@ -172,15 +173,8 @@ def continue_memory_attention(
     v: torch.Tensor,
     feature_map,
     attention_mask: torch.Tensor | None = None,
-    window: int = 0,
-    sinks: int = 0,
-    memory: int = 1,
-    memory_every: int = 64,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    memory_score: str = "value_norm",
-    feature_q: torch.Tensor | None = None,
-    feature_k: torch.Tensor | None = None,
+    settings: MemoryCall | None = None,
+    features: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, MemoryState]:
     """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
     :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
@@ -188,24 +182,31 @@ def continue_memory_attention(
     would).
 
     q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v ``[B, Hkv, n, Dv]``, attention_mask ``[B, n]`` →
-    ``(out [B, H, n, Dv]`` in q's dtype, new state). Any split of a sequence into calls gives the
-    outputs of one :func:`memory_attention` over it (up to float rounding). ``feature_q``/
-    ``feature_k`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
+    ``(out [B, H, n, Dv]`` in q's dtype, new state). ``settings``: the layer's window, sinks,
+    memory, memory_every, memory_score, chunk size and the logit scale (None: ``D ** -0.5``) as one
+    :class:`~hf_rfa.ops.memory.state.MemoryCall` (None: its defaults; ``native_band`` is a
+    prefill's and ignored here). Any split of a sequence into calls gives the outputs of one
+    :func:`memory_attention` over it (up to float rounding). ``features = (feature_q,
+    feature_k)`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
     state was built with ``feature_keys=True``.
     """
-    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, window, sinks, memory, memory_every, scale, chunk_size, memory_score, feature_q, feature_k)
+    if settings is not None and not isinstance(settings, MemoryCall):
+        raise ValueError(f"settings must be a MemoryCall (window, sinks, memory, memory_every, scale, chunk_size, memory_score) or None, got {type(settings).__name__}")
+    settings = replace(MemoryCall() if settings is None else settings, native_band=False)
+    scale, (feature_q, feature_k) = settings.scale, features
+    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, settings, (feature_q, feature_k))
     if b == 0 or n == 0:
         return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
-    scale = d**-0.5 if scale is None else float(scale)
+    settings = replace(settings, scale=d**-0.5 if scale is None else float(scale))
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
     if feature_q is not None:  # un-rotated q/k are non-finite where q/k are (poisoned above): kept out of the state
         feature_q, feature_k = (torch.where(torch.isfinite(x), x, torch.zeros_like(x)) for x in (feature_q, feature_k))
-    out, new = _dispatch(state, q, k, v, km, feature_map, window, sinks, memory_every, scale, chunk_size, memory_score=memory_score, fq=feature_q, fk=feature_k)
+    out, new = _dispatch(state, q, k, v, km, feature_map, settings, (feature_q, feature_k))
     new = replace(new, base=replace(new.base, nonfinite=nonfinite))
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return to_output_dtype(out, q.dtype), new
 
 
-__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
+__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryCall", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]

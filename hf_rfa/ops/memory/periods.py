@@ -30,7 +30,7 @@ import torch.utils.checkpoint
 
 from ..masks import NEG
 from .scores import recall_error
-from .state import MemoryState
+from .state import MemoryCall, MemoryState
 from .terms import exact_terms, finish_call, gather_slots, map_features, pending_part, prepare_call, select_memory
 from ..partial import Partial, merge
 from ..recurrent import LinearState, fold
@@ -68,10 +68,11 @@ def _from_period(x: torch.Tensor, g: int, off: int, n: int) -> torch.Tensor:
     return y[:, :, :, off : off + n]
 
 
-def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_pool=None, lk_pool=None, S=None, z=None, ref=None, sidx=None, vis=None):
+def _answer_block(g: int, e: int, exact: tuple, feature: tuple | None = None):
     """The Partial ``(num, den, log_scale)`` of a block of pp periods' query slots
     ``[B, Hkv, pp, G·E, ·]``: the memory's exact terms, then (maps with features) the state read and
-    the pending keys, merged in the sequential form's order.
+    the pending keys, merged in the sequential form's order. ``exact = (xq, idx, ok, pk, pool_v)``;
+    ``feature = (qf, lq, kf_pool, lk_pool, S, z, ref, sidx, vis)`` or None (no feature part):
 
     xq ``[B, Hkv, pp, G·E, D]`` queries · √scale; idx / ok ``[B, Hkv, pp, M]`` each period's memory
     (pool indices, filled); pk / pool_v ``[B, Hkv, K, D|Dv]`` the pool's keys · √scale and values;
@@ -79,10 +80,12 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     ``[B, Hkv, K]`` or None; S ``[B, Hkv, pp, F, Dv]``, z ``[B, Hkv, pp, F]``, ref ``[B, Hkv, pp]`` the
     state after each period's refresh; sidx ``[pp, width]`` the pending keys' pool indices, vis
     ``[B, pp, E, width]`` pending key visible to the query slot."""
+    xq, idx, ok, pk, pool_v = exact
     b, hkv, pp, ge, _ = xq.shape
     part = Partial(*exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2)))
-    if qf is None:
+    if feature is None:
         return part.num, part.den, part.log_scale
+    qf, lq, kf_pool, lk_pool, S, z, ref, sidx, vis = feature
     ls = ref.unsqueeze(-1).expand(b, hkv, pp, ge)
     if lq is not None:
         ls = ls + lq
@@ -95,10 +98,11 @@ def _answer_block(g: int, e: int, xq, idx, ok, pk, pool_v, qf=None, lq=None, kf_
     return part.num, part.den, part.log_scale
 
 
-def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+def run_periods(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple = (None, None)) -> tuple[torch.Tensor, MemoryState]:
     """:func:`hf_rfa.ops.memory.sequential.run_sequential` (same arguments, outputs and final
     state) with the queries' work batched over refresh periods (module docstring)."""
-    c = prepare_call(state, q, k, v, km, feature_map, window, sinks, scale, native_band, memory_score, fq, fk, chunk_size)
+    fk = features[1]
+    c = prepare_call(state, q, k, v, km, feature_map, settings, features)
     b, hkv, ct, root = c.b, c.hkv, c.ct, c.root
     null = getattr(feature_map, "null", False)
     nloc = c.lk_raw.shape[2]
@@ -117,17 +121,20 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, window: int, sinks
         kf_pool, lk_pool = map_features(feature_map, pool["kf" if fk is not None else "k"].to(ct) * root, False, hkv)
         if c.gated:
             lk_pool = pool["lg"] if lk_pool is None else lk_pool + pool["lg"]
-    chosen = _choose(state, c, kf_pool, lk_pool, pool_v, window, memory_every, memory_score == "feature_error", null)
+    chosen = _choose(state, c, (kf_pool, lk_pool, pool_v), settings, null)
     sel, linear, lo = chosen[0], chosen[1], chosen[2]
-    total = _answer(c, feature_map, chosen, pool["k"].to(ct) * root, pool_v, kf_pool, lk_pool, (window, memory_every, state.memory, null, (q, k, v)))
+    total = _answer(c, feature_map, chosen, pool["k"].to(ct) * root, pool_v, kf_pool, lk_pool, (settings.window, settings.memory_every, state.memory, null, (q, k, v)))
     final = {"ok": sel["ok"], "pos": sel["pos"], "norm": sel["norm"], **{name: gather_slots(x, sel["idx"]) for name, x in pool.items()}}
     return finish_call(state, c, total, linear, final, lo, km, feature_map.eps)
 
 
-def _choose(state: MemoryState, c, kf_pool, lk_pool, pool_v, window: int, e: int, by_error: bool, null: bool):
-    """Step 1: per refresh, the memory (pool indices) and the feature state after it. Returns
-    ``(sel, linear, lo, mem_idx, mem_ok, los, states)``: the final choice, state and buffer start,
-    and per period its memory indices / flags, buffer start and state."""
+def _choose(state: MemoryState, c, pool: tuple, settings: MemoryCall, null: bool):
+    """Step 1: per refresh, the memory (pool indices) and the feature state after it; ``pool =
+    (kf_pool, lk_pool, pool_v)``. Returns ``(sel, linear, lo, mem_idx, mem_ok, los, states)``: the
+    final choice, state and buffer start, and per period its memory indices / flags, buffer start
+    and state."""
+    kf_pool, lk_pool, pool_v = pool
+    window, e, by_error = settings.window, settings.memory_every, settings.memory_score == "feature_error"
     b, hkv, n, ct, p0, pos0 = c.b, c.hkv, c.n, c.ct, c.p0, c.pos0
     dev = pool_v.device
     memory = state.memory
@@ -195,14 +202,15 @@ def _answer(c, feature_map, chosen, pk, pool_v, kf_pool, lk_pool, settings) -> P
     parts = []
     for p_lo in range(0, periods, PERIOD_BLOCK):
         p_hi = min(periods, p_lo + PERIOD_BLOCK)
-        args = [xq_p[:, :, p_lo:p_hi], torch.stack(mem_idx[p_lo:p_hi], dim=2), torch.stack(mem_ok[p_lo:p_hi], dim=2), pk, pool_v]
+        exact = (xq_p[:, :, p_lo:p_hi], torch.stack(mem_idx[p_lo:p_hi], dim=2), torch.stack(mem_ok[p_lo:p_hi], dim=2), pk, pool_v)
+        args = [exact]
         if not null:
             blk = states[p_lo:p_hi]
-            args += [qf_p[:, :, p_lo:p_hi], lq_p[:, :, p_lo:p_hi] if lq_p is not None else None, kf_pool, lk_pool,
-                     torch.stack([st.S for st in blk], dim=2), torch.stack([st.z for st in blk], dim=2), torch.stack([st.ref for st in blk], dim=2)]
             sl = s_loc[p_lo:p_hi]  # [pp,width]
             vis = (sl.unsqueeze(1) + pos0 <= t_abs[p_lo:p_hi].unsqueeze(-1) - window) & s_ok[p_lo:p_hi].unsqueeze(1) & t_ok[p_lo:p_hi].unsqueeze(-1)  # [pp,E,width]
-            args += [sl + memory, vis.unsqueeze(0) & c.feat[:, sl].unsqueeze(2)]  # pool indices, [B,pp,E,width]
+            args.append((qf_p[:, :, p_lo:p_hi], lq_p[:, :, p_lo:p_hi] if lq_p is not None else None, kf_pool, lk_pool,
+                         torch.stack([st.S for st in blk], dim=2), torch.stack([st.z for st in blk], dim=2), torch.stack([st.ref for st in blk], dim=2),
+                         sl + memory, vis.unsqueeze(0) & c.feat[:, sl].unsqueeze(2)))  # pool indices, [B,pp,E,width]
         if ckpt:  # training: keep the block's inputs only, recompute its scores in backward
             out = torch.utils.checkpoint.checkpoint(_answer_block, g, e, *args, use_reentrant=False)
         else:

@@ -10,19 +10,21 @@ from ..masks import NEG
 from ..partial import Partial, merge
 from ..recurrent import fold, read
 from .scores import feature_error
-from .state import MemoryState
+from .state import MemoryCall, MemoryState
 from .terms import finish_call, map_features, memory_part, pending_part, prepare_call, select_memory
 
 
-def run_sequential(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, memory_every: int, scale: float, chunk_size: int, native_band: bool = False, memory_score: str = "value_norm", fq=None, fk=None) -> tuple[torch.Tensor, MemoryState]:
+def run_sequential(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple = (None, None)) -> tuple[torch.Tensor, MemoryState]:
     """The ``n`` new tokens (q ``[B, H, n, D]``, k ``[B, Hkv, n, D]``, v, key mask ``km [B, n]``
     bool; finite) continuing ``state`` → ``(out [B, H, n, Dv]`` in the compute dtype, state), period
     by period and chunk by chunk (the sequential form; :func:`hf_rfa.ops.memory.periods.run_periods`
-    batches the periods and is checked against it).
-    ``native_band``: a prefill's window/sink part runs the compiled kernel (the op's rule);
-    ``memory_score``: how candidates are ranked (:data:`MEMORY_SCORES`); ``fq``/``fk`` (shapes of
-    q/k, or None): what the feature part reads (the state keeps them: ``MemoryState.mem_kf``)."""
-    c = prepare_call(state, q, k, v, km, feature_map, window, sinks, scale, native_band, memory_score, fq, fk, chunk_size)
+    batches the periods and is checked against it). ``settings``: the call's
+    :class:`~hf_rfa.ops.memory.state.MemoryCall` (scale resolved; the memory size is the state's);
+    ``features = (fq, fk)`` (shapes of q/k, or Nones): what the feature part reads (the state keeps
+    them: ``MemoryState.mem_kf``)."""
+    window, memory_every, chunk_size, memory_score = settings.window, settings.memory_every, settings.chunk_size, settings.memory_score
+    fk = features[1]
+    c = prepare_call(state, q, k, v, km, feature_map, settings, features)
     b, hkv, g, n, ct, root, p0, pos0 = c.b, c.hkv, c.g, c.n, c.ct, c.root, c.p0, c.pos0
     dev = q.device
     memory = state.memory

@@ -29,6 +29,24 @@ def check_memory_args(memory, memory_every, causal: bool, feature_map, memory_sc
     return memory, memory_every
 
 
+@dataclass(frozen=True)
+class MemoryCall:
+    """The settings of one exact-memory call (:func:`~hf_rfa.ops.memory.sequential.run_sequential`,
+    :func:`~hf_rfa.ops.memory.periods.run_periods`): window W, sinks S, ``memory`` M slots, refreshes
+    every ``memory_every`` positions, the logit ``scale`` (None: ``D ** -0.5``, resolved by the entry
+    points), the window/sink part's ``chunk_size``, ``native_band`` (a prefill's window/sink part
+    runs the compiled kernel: the op's rule) and ``memory_score`` (:data:`MEMORY_SCORES`)."""
+
+    window: int = 0
+    sinks: int = 0
+    memory: int = 1
+    memory_every: int = 64
+    scale: float | None = None
+    chunk_size: int = 64
+    native_band: bool = False
+    memory_score: str = "value_norm"
+
+
 @dataclass
 class MemoryState:
     """The past of one causal layer with an exact memory (B rows, Hkv kv heads, M slots).
@@ -60,11 +78,7 @@ class MemoryState:
     @classmethod
     def empty(
         cls,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        value_dim: int,
-        feature_dim: int,
+        shape: tuple[int, int, int, int, int],
         sinks: int,
         memory: int,
         dtype: torch.dtype,
@@ -72,11 +86,13 @@ class MemoryState:
         compute_dtype: torch.dtype = torch.float32,
         feature_keys: bool = False,
     ) -> "MemoryState":
-        """State before the first token (``memory`` empty slots). ``feature_keys``: the calls
-        give ``feature_q``/``feature_k`` (the feature part's own inputs), kept for the buffer and
-        the memory."""
-        b, h, m = batch, kv_heads, memory
-        base = DecodeState.empty(b, h, head_dim, value_dim, feature_dim, sinks, dtype, device, compute_dtype, feature_keys=feature_keys)
+        """State before the first token (``memory`` empty slots), ``shape`` as for
+        :meth:`DecodeState.empty` (``batch, kv_heads, head_dim, value_dim, feature_dim``).
+        ``feature_keys``: the calls give ``feature_q``/``feature_k`` (the feature part's own
+        inputs), kept for the buffer and the memory."""
+        b, h, head_dim, value_dim, _ = shape
+        m = memory
+        base = DecodeState.empty(shape, sinks, dtype, device, compute_dtype, feature_keys=feature_keys)
         return cls(
             base=base,
             mem_k=torch.zeros(b, h, m, head_dim, dtype=dtype, device=device),
@@ -116,4 +132,4 @@ class MemoryState:
         return self.base.nbytes() + self.memory_nbytes()
 
 
-__all__ = ["MAX_MEMORY", "MemoryState", "check_memory_args"]
+__all__ = ["MAX_MEMORY", "MemoryCall", "MemoryState", "check_memory_args"]

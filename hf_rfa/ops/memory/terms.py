@@ -11,12 +11,13 @@ import torch
 
 from ..backends import native
 from ..band.exact import exact_local
+from ..band.plan import Band
 from ..decode.state import DecodeState, exact_part, join_sinks
 from ..masks import NEG, exp_floor, sink_positions
 from ..partial import Partial, finalize, merge
 from ..recurrent import LinearState, decay
 from .scores import value_norm
-from .state import MemoryState
+from .state import MemoryCall, MemoryState
 
 
 def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -145,8 +146,10 @@ class Call:
     exact: Partial | None  # window band + sinks of the n queries
 
 
-def prepare_call(state: MemoryState, q, k, v, km, feature_map, window: int, sinks: int, scale: float, native_band: bool, memory_score: str, fq, fk, chunk_size: int) -> Call:
+def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple) -> Call:
     """The shared set-up of a call (see :func:`run_sequential` for the arguments)."""
+    window, sinks, scale, chunk_size = settings.window, settings.sinks, settings.scale, settings.chunk_size
+    fq, fk = features
     base = state.base
     b, h, n, d = q.shape
     hkv = k.shape[1]
@@ -175,20 +178,20 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, window: int, sink
         logg, log1mg = feature_map.log_gate(xkf)  # [B,Hkv,L]
         cg = torch.cumsum(logg * real[:, None, :].to(logg.dtype), dim=-1)  # decay from the anchor to j; padding never decays
         key_lg = log1mg - cg  # log weight of local key s as of the anchor
-    norms = None if memory_score == "feature_error" else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
+    norms = None if settings.memory_score == "feature_error" else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
     xqg = xq.reshape(b, hkv, g, n, d)
 
     exact = None
     if window > 0 or sinks > 0:  # window band + sinks: independent of the memory
-        if p0 == 0 and native_band:  # a prefill: the band of the op without memory (same terms)
+        if p0 == 0 and settings.native_band:  # a prefill: the band of the op without memory (same terms)
             spos, sok = sink_positions(km, b, n, sinks, dev) if sinks > 0 else (None, None)
-            num, den, ls = native.causal_band(q, k, v, scale, km, window, spos, sok, chunk_size, exp_floor(torch.float32))
+            num, den, ls = native.causal_band(q, k, v, scale, km, window, (spos, sok), native.KernelRun(chunk_size, exp_floor(torch.float32)))
             exact = Partial(num.view(b, hkv, g, n, -1), den.view(b, hkv, g, n), ls.view(b, hkv, g, n))
         elif p0 == 0:
-            exact = exact_local(xqg, xk, vv, km, window, sinks, True, chunk_size)
+            exact = exact_local(xqg, xk, vv, km, Band(window, sinks, True, chunk_size))
         else:
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
-            exact = exact_part(xqg, xk, vv, real, lb, pos0, window, xs, vs, sink_pos, sink_exists, chunk_size)
+            exact = exact_part(xqg, xk, vv, real, (lb, pos0), window, (xs, vs, sink_pos, sink_exists) if sinks > 0 else None, chunk_size)
     return Call(b, h, n, hkv, g, ct, root, p0, pos0, (sink_k, sink_v, sink_pos, sink_exists), lk_raw, lv_raw, lkf_raw, real, feat,
                  xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact)
 

@@ -41,6 +41,7 @@ import platform
 import shutil
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -192,37 +193,46 @@ def _inputs(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, key_mask: torch
     return mod, xq, xk, v, km
 
 
+@dataclass(frozen=True)
+class KernelRun:
+    """How a kernel runs a call: the query ``chunk`` length, the exponent ``floor`` (no exp below
+    it), and for :func:`causal_positive` ``eps`` (normalise the output with this floor of the
+    denominator; None: return numerator and denominator) and ``segments`` (see there)."""
+
+    chunk: int
+    floor: float
+    eps: float | None = None
+    segments: int = 0
+
+
 def causal_positive(
     xq: torch.Tensor,
     xk: torch.Tensor,
     v: torch.Tensor,
     params: tuple[torch.Tensor, torch.Tensor | None, float, float],
-    key_mask: torch.Tensor | None,
-    lk_add: torch.Tensor | None,
-    S: torch.Tensor,
-    ref: torch.Tensor,
-    chunk: int,
-    eps: float | None,
-    floor: float,
+    keys: tuple[torch.Tensor | None, torch.Tensor | None],
+    state: tuple[torch.Tensor, torch.Tensor],
+    run: KernelRun,
     dest: torch.Tensor | None = None,
-    segments: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the kernel. ``xq [B,H,N,D]``, ``xk [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]`` (float32, bfloat16
     or float16; raw, the map's ``params = (W [F,D], bias [F] | None, coef, c0)`` hold the scale):
-    features ``exp(x Wᵀ + bias − max)`` with log scale ``max + coef·‖x‖² + c0``. ``key_mask [B,N]``
-    bool, ``lk_add [B,Hkv,N]``; ``S [B,Hkv,F,Dv+1]`` and ``ref [B,Hkv]`` (float32, contiguous)
-    are the incoming state and are updated in place.
+    features ``exp(x Wᵀ + bias − max)`` with log scale ``max + coef·‖x‖² + c0``. ``keys =
+    (key_mask [B,N] bool, lk_add [B,Hkv,N])`` (each or None); ``state = (S [B,Hkv,F,Dv+1], ref
+    [B,Hkv])`` (float32, contiguous) is the incoming state and is updated in place; ``run``: the
+    chunk length, exponent floor, ``eps`` and ``segments`` (:class:`KernelRun`).
 
     Returns ``(out, mt, lq)``: with ``eps``, ``out [B,H,N,Dv]`` normalised and ``mt = lq = None``;
     without, ``out [B,H,N,Dv+1]`` (numerator, denominator), ``mt [B,Hkv,N]`` (running key max) and
     ``lq [B,H,N]`` (query log scales): the output's log scale is ``mt + lq``. ``dest``: a
     contiguous float32 tensor of ``B·H·N·Dv`` elements to write the normalised output into.
-    ``segments``: split each scan into this many segments (0: automatic — one per scan when there
+    ``run.segments``: split each scan into this many segments (0: automatic — one per scan when there
     are at least 2 × threads scans, else enough for 2 × threads parallel pieces). The segments'
     state increments are computed in parallel first (keys only), combined in order, then every
     segment runs from its incoming state: more parallelism for few kv heads, at the cost of the
     keys' features and state products twice.
     """
+    (key_mask, lk_add), (S, ref), eps = keys, state, run.eps
     mod, xq, xk, v, km = _inputs(xq, xk, v, key_mask)
     b, h, n, _ = xq.shape
     hkv, dv = xk.shape[1], v.shape[-1]
@@ -236,7 +246,7 @@ def causal_positive(
         out, mt, lq = (dest if usable_dest else torch.empty(b, h, n, dv, **f32)), empty, empty
     else:
         out, mt, lq = torch.empty(b, h, n, dv + 1, **f32), torch.empty(b, hkv, n, **f32), torch.empty(b, h, n, **f32)
-    mod.causal_positive(xq, xk, v, W.to(torch.float32).contiguous(), bias_t, float(coef), float(c0), km, la, S, ref, int(chunk), -1.0 if eps is None else float(eps), float(floor), out, mt, lq, int(segments))
+    mod.causal_positive(xq, xk, v, W.to(torch.float32).contiguous(), bias_t, float(coef), float(c0), km, la, S, ref, int(run.chunk), -1.0 if eps is None else float(eps), float(run.floor), out, mt, lq, int(run.segments))
     if eps is not None and dest is not None and out is not dest:
         out = dest.copy_(out.view(dest.shape))
     return out, (mt if eps is None else None), (lq if eps is None else None)
@@ -249,19 +259,20 @@ def causal_band(
     scale: float,
     key_mask: torch.Tensor | None,
     window: int,
-    sink_pos: torch.Tensor | None,
-    sink_ok: torch.Tensor | None,
-    chunk: int,
-    floor: float,
+    sinks: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+    run: KernelRun,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact part of a causal hybrid (twin of ``hybrid.exact_local`` with ``causal=True``): query t
-    sees keys t−W < s ≤ t that are real (``key_mask [B,N]`` bool) and the sinks ``sink_pos [B,S]``
-    (int64; ``sink_ok [B,S]`` whether each exists) at positions ≤ t − W, with scores ``scale·q·k``.
-    ``xq [B,H,N,D]``, ``xk [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]`` raw (float32/bfloat16/float16).
+    sees keys t−W < s ≤ t that are real (``key_mask [B,N]`` bool) and the sinks ``sinks =
+    (sink_pos [B,S] int64, sink_ok [B,S] whether each exists)`` (or None) at positions ≤ t − W,
+    with scores ``scale·q·k``, in chunks of ``run.chunk`` queries with exponents floored at
+    ``run.floor``. ``xq [B,H,N,D]``, ``xk [B,Hkv,N,D]``, ``v [B,Hkv,N,Dv]`` raw
+    (float32/bfloat16/float16).
 
     Returns float32 ``(num [B,H,N,Dv], den [B,H,N], ls [B,H,N])``: the Partial with each row's
     max visible score as log scale (NEG where nothing is visible).
     """
+    sink_pos, sink_ok = sinks if sinks is not None else (None, None)
     mod, xq, xk, v, km = _inputs(xq, xk, v, key_mask)
     b, h, n, _ = xq.shape
     dv = v.shape[-1]
@@ -269,7 +280,7 @@ def causal_band(
     num, den, ls = torch.empty(b, h, n, dv, **f32), torch.empty(b, h, n, **f32), torch.empty(b, h, n, **f32)
     sp = sink_pos.to(torch.int64).contiguous() if sink_pos is not None else torch.empty(0, dtype=torch.int64)
     so = sink_ok.to(torch.bool).contiguous() if sink_ok is not None else torch.empty(0, dtype=torch.bool)
-    mod.causal_band(xq, xk, v, float(scale), km, int(window), sp, so, int(chunk), float(floor), num, den, ls)
+    mod.causal_band(xq, xk, v, float(scale), km, int(window), sp, so, int(run.chunk), float(run.floor), num, den, ls)
     return num, den, ls
 
 
