@@ -176,9 +176,9 @@ def test_auto_leaves_gated_training_to_flex_where_fla_refuses_its_backward(monke
     assert _settle("auto", CUDA, grad=True, feature_map=_fm("rfa")) == "flex"
     assert _settle("auto", CUDA, grad=False, feature_map=decaying) == "fla"
     assert _settle("auto", CUDA, grad=True) == "fla"  # no decay, no gate: the ungated kernel
-    call = dict(grad=True, causal=True, window=16, sinks=2, memory=0, nq=64, nk=64, feature_map=decaying, device=CUDA)
-    assert "fla-core refuses its gated backward on Hopper" in gpu.unsupported("fla", **call)
-    assert gpu.unsupported("flex", **call) is None
+    call = gpu.CallFacts(grad=True, causal=True, window=16, sinks=2, memory=0, nq=64, nk=64, feature_map=decaying, device=CUDA)
+    assert "fla-core refuses its gated backward on Hopper" in gpu.unsupported("fla", call)
+    assert gpu.unsupported("flex", call) is None
     monkeypatch.setattr(fla, "gated_backward_refused", lambda device: False)
     assert _settle("auto", CUDA, grad=True, feature_map=decaying) == "fla"
 

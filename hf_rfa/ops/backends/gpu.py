@@ -72,7 +72,7 @@ def unsupported(name: str, call: CallFacts) -> str | None:
         return "needs an exact band (window > 0 or sinks > 0)"
     if name == "fla" and (null or call.window >= call.nk):
         return "needs a feature part (feature_map other than 'none' and window < N)"
-    if name == "fla" and grad and getattr(feature_map, "has_gate", False) and fla.gated_backward_refused(device):
+    if name == "fla" and call.grad and getattr(call.feature_map, "has_gate", False) and fla.gated_backward_refused(call.device):
         return ("cannot train a decay or gate on this GPU: fla-core refuses its gated backward on Hopper with "
                 "Triton >= 3.4.0, < 3.7.1 (install tilelang, or Triton >= 3.7.1)")
     return None
