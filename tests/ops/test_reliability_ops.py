@@ -194,6 +194,7 @@ def test_decoding_other_batch_rows_bit_identical_when_one_turns_non_finite_in_tr
     transformers' layout too (the finite steps used to read the transposed views, the others a
     fresh copy: another summation order)."""
     from hf_rfa.ops.decode import DecodeState, continue_attention
+    from hf_rfa.ops.decode.continuation import DecodeCall
 
     for seed in range(2):
         for m in (1, 4):
@@ -201,13 +202,13 @@ def test_decoding_other_batch_rows_bit_identical_when_one_turns_non_finite_in_tr
                 fm = hf_rfa.build_feature_map(name, head_dim=8, num_features=m, seed=seed)
                 rows = []
                 for poisoned in (False, True):
-                    state, g, got = DecodeState.empty(2, 1, 8, 8, fm.feature_dim, sinks, torch.float32), torch.Generator().manual_seed(seed), []
+                    state, g, got = DecodeState.empty((2, 1, 8, 8, fm.feature_dim), sinks, torch.float32), torch.Generator().manual_seed(seed), []
                     for n in (5, 1, 1, 3):
                         q, k, v = (torch.randn(2, n, heads, 8, generator=g) for heads in (2, 1, 1))
                         if poisoned and n == 1:
                             k[1] = float("nan")
                         with torch.no_grad():
-                            out, state = continue_attention(state, *(t.transpose(1, 2) for t in (q, k, v)), fm, window=window, sinks=sinks)
+                            out, state = continue_attention(state, *(t.transpose(1, 2) for t in (q, k, v)), fm, None, DecodeCall(window=window, sinks=sinks))
                         got.append(out)
                     rows.append(got)
                 assert all(torch.equal(a[0], b[0]) for a, b in zip(*rows)), (seed, m, window)

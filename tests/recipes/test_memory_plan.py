@@ -153,7 +153,7 @@ def test_autocast_training_of_float32_weights_plans_the_low_precision_weight_cop
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux: the resident memory is read from /proc")
 def test_measure_peak_rss_sees_an_allocation_inside_and_not_before():
-    from hf_rfa.recipes.conversion.stages import measure_peak_rss
+    from hf_rfa.recipes.conversion.memory_plan import measure_peak_rss
 
     big = torch.ones(64 * 2**20 // 4)  # 64 MiB, freed before the measured block
     del big

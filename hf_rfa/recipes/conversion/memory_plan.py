@@ -33,8 +33,10 @@ refuses a run that would not fit, with the numbers and what to change.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -354,4 +356,38 @@ def check_fits(p: MemoryPlan, device: torch.device | str, available: int | None 
     )
 
 
-__all__ = ["CUDA_CONTEXT_BYTES", "MemoryPlan", "PlanDoesNotFit", "available_bytes", "check_before_loading", "check_fits", "load_config", "meta_model", "plan"]
+@contextlib.contextmanager
+def measure_peak_rss(interval: float = 0.02):
+    """``with measure_peak_rss() as peak:`` — ``peak[0]``, after the block, is the largest resident
+    memory of the process seen during it (bytes), sampled every ``interval`` seconds by a thread
+    (so a spike shorter than that can be missed); None where it cannot be read (not Linux). The
+    process's own high-water mark (``ru_maxrss``, ``/usr/bin/time``) is left untouched."""
+    out: list[int | None] = [None]
+    first = _rss_now()
+    if first is None:
+        yield out
+        return
+    best = [first]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval):
+            now = _rss_now()
+            if now is not None and now > best[0]:
+                best[0] = now
+
+    t = threading.Thread(target=sample, name="hf_rfa-peak-rss", daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        t.join()
+        out[0] = max(best[0], _rss_now() or 0)
+
+
+def _rss_now() -> int | None:
+    return rss_now() or None
+
+
+__all__ = ["CUDA_CONTEXT_BYTES", "MemoryPlan", "PlanDoesNotFit", "available_bytes", "check_before_loading", "check_fits", "load_config", "measure_peak_rss", "meta_model", "plan", "rss_now"]

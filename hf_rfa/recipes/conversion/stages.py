@@ -12,10 +12,8 @@ encoder:    sentences → original → random baselines → window-only baseline
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import threading
 from typing import Callable
 
 import torch
@@ -26,6 +24,7 @@ from . import calibration, devices, layerwise, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
+from .memory_plan import measure_peak_rss
 from .state import State, classifier_scores, evaluate
 
 logger = logging.getLogger(__name__)
@@ -385,40 +384,4 @@ def run_stages(s: State) -> State:
     return s
 
 
-@contextlib.contextmanager
-def measure_peak_rss(interval: float = 0.02):
-    """``with measure_peak_rss() as peak:`` — ``peak[0]``, after the block, is the largest resident
-    memory of the process seen during it (bytes), sampled every ``interval`` seconds by a thread
-    (so a spike shorter than that can be missed); None where it cannot be read (not Linux). The
-    process's own high-water mark (``ru_maxrss``, ``/usr/bin/time``) is left untouched."""
-    out: list[int | None] = [None]
-    first = _rss_now()
-    if first is None:
-        yield out
-        return
-    best = [first]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(interval):
-            now = _rss_now()
-            if now is not None and now > best[0]:
-                best[0] = now
-
-    t = threading.Thread(target=sample, name="hf_rfa-peak-rss", daemon=True)
-    t.start()
-    try:
-        yield out
-    finally:
-        stop.set()
-        t.join()
-        out[0] = max(best[0], _rss_now() or 0)
-
-
-def _rss_now() -> int | None:
-    from .memory_plan import rss_now
-
-    return rss_now() or None
-
-
-__all__ = ["STAGES", "Stage", "measure_peak_rss", "run_stages"]
+__all__ = ["STAGES", "Stage", "run_stages"]
