@@ -236,7 +236,10 @@ def test_report_regenerates_from_committed_runs(tmp_path, monkeypatch):
             last = [r for r in rows if r["context"] == ctx and not r["variant"].startswith("original")][-1]
             base = report.baseline_variant(rep)
             wo = next((f"{r['perplexity']:.2f}" for r in rows if r["context"] == ctx and r["variant"] == base), "not measured")
-            assert f"| {label} | {last['variant']} | {ctx} | {last['perplexity']:.2f} | {last['perplexity'] / orig['perplexity']:.3f} | {wo} |" in text
+            ci = r"(?: \[[0-9.]+, [0-9.]+\])?"  # the 95% interval, where the run has one
+            row = (rf"\| {re.escape(label)} \| {re.escape(last['variant'])} \| {ctx} \| {last['perplexity']:.2f}{ci} \| "
+                   rf"{last['perplexity'] / orig['perplexity']:.3f}{ci} \| {re.escape(wo)}{ci} \|")
+            assert re.search(row, text), row
     with pytest.raises(ValueError, match="no report.json"):
         report.load_run(str(tmp_path))
     with pytest.raises(ValueError, match="no committed runs"):

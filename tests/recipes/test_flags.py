@@ -51,20 +51,18 @@ def _run_file() -> dict:
 
 
 def test_main_job_resolves_to_the_kept_run():
-    """``make main`` (now ``--preset recall`` + its evaluation flags) resolves to the config of the
-    kept run field for field, and converts the same layers: the run recorded ``hybrid_mix: true``
-    with empty map options, which the CLI turned into ``{"hybrid_mix": true}``; the preset now
-    carries that option itself."""
+    """``make main`` (``--preset recall`` + its evaluation flags) resolves to the config of the kept
+    run field for field, and converts the same layers (the preset's ``hybrid_mix`` option
+    included)."""
     main_job = _script("conversion/main_job.py")
     old = _run_file()["config"]
     paths = ["--model", old["model"], "--output", old["output"], "--overwrite", "--calibration-text", old["calibration_text"],
              "--train-text", old["train_text"], "--eval-text", old["eval_text"]]
     cfg = config_from_args([*main_job.DEFAULT, *paths])
     new = cfg.to_dict()
-    assert old["hybrid_mix"] is True and old["feature_map_options"] == {}
-    recorded = RFAConfig(**{f.name: old[f.name] for f in fields(RFAConfig) if f.name != "feature_map_options"}, feature_map_options={"hybrid_mix": True})
-    assert cfg.rfa_config() == recorded
-    differ = {k: (old[k], new.get(k, "<missing>")) for k in old if k not in ("hybrid_mix", "feature_map_options") and new.get(k, "<missing>") != old[k]}
+    assert old["feature_map_options"] == {"hybrid_mix": True}
+    assert cfg.rfa_config() == RFAConfig(**{f.name: old[f.name] for f in fields(RFAConfig)})
+    differ = {k: (old[k], new.get(k, "<missing>")) for k in old if new.get(k, "<missing>") != old[k]}
     assert differ == {}
     assert (cfg.baselines, cfg.window_only_baseline, cfg.evaluates_window_only) == (False, True, True)
     quick = config_from_args([*main_job.QUICK, *BASE])
