@@ -194,8 +194,10 @@ def test_fla_gated_backward_rule(monkeypatch, capability, triton, tilelang, refu
     monkeypatch.setattr(importlib.metadata, "version", lambda name: triton if name == "triton" else "0")
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if tilelang else None) if name == "tilelang" else find(name, *a))
+    fla._triton_gated_backward_bug.cache_clear()  # the packages are looked up once per process
     assert fla.gated_backward_refused(CUDA) is refused
     assert fla.gated_backward_refused(CPU) is False
+    fla._triton_gated_backward_bug.cache_clear()
 
 
 def test_named_gpu_backends_refuse_calls_they_cannot_answer():

@@ -33,8 +33,6 @@ DEBUG level (logger ``hf_rfa.ops.attention``).
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -150,20 +148,4 @@ def honoured(backend: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def honours_backend(fn: Callable) -> Callable:
-    """Decorator: ``fn`` runs in :func:`honoured` of its ``backend`` argument (default ``"auto"``),
-    as ``random_feature_attention`` does — no compiled kernel, the feature map's included, in a
-    call that asked for another backend."""
-    sig = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if not kernels.compile_enabled():
-            return fn(*args, **kwargs)
-        with honoured(sig.bind(*args, **kwargs).arguments.get("backend", "auto")):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "honoured", "honours_backend", "register_backend", "resolve", "training_backend"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "check_name", "honoured", "register_backend", "resolve", "training_backend"]

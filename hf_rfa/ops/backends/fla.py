@@ -31,6 +31,7 @@ the CUDA twin tests).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -52,7 +53,14 @@ def gated_backward_refused(device: torch.device) -> bool:
     there on Hopper GPUs (compute capability 9.x) with Triton >= 3.4.0 and < 3.7.1, whose gated
     ``chunk_bwd_dqkwg`` gives wrong results, unless tilelang is installed (fla-core then runs its
     tilelang kernel instead). Seen on an H200 with Triton 3.6.0 and fla-core 0.6.0."""
-    if device.type != "cuda" or importlib.util.find_spec("tilelang") is not None:
+    return device.type == "cuda" and _triton_gated_backward_bug() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_gated_backward_bug() -> bool:
+    """The installed packages' part of :func:`gated_backward_refused` (looked up once: it is asked
+    on every training call): Triton in [3.4.0, 3.7.1) and no tilelang."""
+    if importlib.util.find_spec("tilelang") is not None:
         return False
     try:
         from importlib.metadata import version
@@ -60,7 +68,7 @@ def gated_backward_refused(device: torch.device) -> bool:
         parts = tuple(int(x) for x in version("triton").split("+")[0].split(".")[:3])
     except Exception:  # noqa: BLE001 - no triton (or an unparsable version): fla cannot run anyway
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9 and (3, 4, 0) <= parts < (3, 7, 1)
+    return (3, 4, 0) <= parts < (3, 7, 1)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -174,8 +174,9 @@ class HybridFunction(torch.autograd.Function):
     @no_autocast  # a backward run inside torch.autocast (loss.backward() in the autocast block) stays float32
     def backward(ctx, dout):
         spec: HybridSpec = ctx.spec
-        q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs, *saved = ctx.saved_tensors
-        inputs = _Saved(q, k, v, fq, fk, cos, sin, feat_mask, lq_add, lk_add, states, refs)
+        tensors = ctx.saved_tensors  # read once (checkpointing unpacks each saved tensor once)
+        inputs, saved = _Saved(*tensors[: len(_Saved._fields)]), tensors[len(_Saved._fields) :]
+        k, v = inputs.k, inputs.v
         params = _backward_params(ctx, spec, saved)
         acc = _Grads(spec, inputs, len(params))
         dS = None
@@ -270,22 +271,10 @@ class _Grads:
         return [g if g is not None and needs[i + 1] else None for i, g in enumerate(got)]
 
 
-class _Saved(NamedTuple):
-    """What :meth:`HybridFunction.backward` reads back: the inputs it saved (see its forward) and
-    the scan's state entering each block (``states``/``refs``, None without a feature part)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    fq: torch.Tensor | None
-    fk: torch.Tensor | None
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    feat_mask: torch.Tensor | None
-    lq_add: torch.Tensor | None
-    lk_add: torch.Tensor | None
-    states: torch.Tensor | None
-    refs: torch.Tensor | None
+#: what :meth:`HybridFunction.backward` reads back: the inputs it saved (:class:`HybridInputs`'
+#: fields, see its forward) and the scan's state entering each block (``states``/``refs``, None
+#: without a feature part)
+_Saved = NamedTuple("_Saved", [*HybridInputs.__annotations__.items(), ("states", "torch.Tensor | None"), ("refs", "torch.Tensor | None")])
 
 
 def _unit_backward(spec: HybridSpec, unit, x: _Saved, sinks: tuple, params, dout, dS, acc: _Grads):
