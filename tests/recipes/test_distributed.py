@@ -182,3 +182,46 @@ def test_fsdp_follows_the_launcher_and_the_flag(monkeypatch):
     assert config_from_args([*base, "--fsdp"]).fsdp is True and config_from_args(base).fsdp is False
     with pytest.raises(ValueError, match="device_map"):
         ConversionConfig(model="m", fsdp=True, device_map="auto")
+
+
+def _limit_worker(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: rank 0 is over a 0-second limit at once, rank 1 has no limit."""
+    import torch.distributed as dist
+
+    from hf_rfa.recipes.conversion.budget import BudgetNotReached, TransferResult, check_limit
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    distributed._STATE[:] = [distributed.Processes(rank, 2)]
+    res, msg = TransferResult(tokens=4, steps=1), "no stop"
+    try:
+        for _ in range(3):  # a training loop: a gradient all-reduce, then the limit check, each step
+            distributed.all_reduce_grads([torch.nn.Parameter(torch.ones(2))])
+            check_limit("lora", res, 100, 0.0 if rank == 0 else float("inf"), 0.0 if rank == 0 else None)
+            res.steps += 1
+    except BudgetNotReached as e:
+        msg = f"stopped at step {res.steps}: {e}"
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(msg)
+    dist.destroy_process_group()
+
+
+def test_a_safety_limit_in_one_process_stops_every_process_at_the_same_step(tmp_path):
+    """The wall-clock limit is decided together (distributed.any_process): without that, rank 1 (no
+    limit reached) would wait forever in its next all-reduce while rank 0 raised."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_limit_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    alive = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not any(alive), "a process hung after the other hit its safety limit"
+    msgs = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert msgs[0].startswith("stopped at step 1: lora hit its safety limit"), msgs
+    assert msgs[1].startswith("stopped at step 1: lora: another process hit its safety limit"), msgs

@@ -39,8 +39,18 @@ class BudgetNotReached(RuntimeError):
 
 
 def check_limit(stage: str, res: TransferResult, tokens: int, start: float, max_seconds: float | None) -> None:
-    """Raise :class:`BudgetNotReached` when ``max_seconds`` have passed since ``start`` before ``tokens``."""
-    if max_seconds is not None and res.tokens < tokens and time.perf_counter() - start >= max_seconds:
+    """Raise :class:`BudgetNotReached` when ``max_seconds`` have passed since ``start`` before ``tokens``.
+
+    With several processes the decision is collective (:func:`.distributed.any_process`): every
+    process stops at the same step as soon as one of them is over its limit (their clocks differ),
+    instead of the others waiting forever in the next step's gradient all-reduce. Every process
+    therefore calls this once per step, whether or not it has a limit."""
+    from . import distributed
+
+    over = max_seconds is not None and res.tokens < tokens and time.perf_counter() - start >= max_seconds
+    if distributed.any_process(over):
+        if max_seconds is None:
+            raise BudgetNotReached(f"{stage}: another process hit its safety limit after {res.tokens} of {tokens} tokens ({res.steps} steps); every process stops with it")
         raise BudgetNotReached(
             f"{stage} hit its safety limit of {max_seconds / 60:.1f} min after {res.tokens} of {tokens} tokens "
             f"({res.steps} steps); the budget is in tokens so that results do not depend on machine speed: "

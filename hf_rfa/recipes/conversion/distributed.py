@@ -144,6 +144,16 @@ def global_tokens(n: int) -> int:
     return int(t.item())
 
 
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true in any process (one all-reduce; ``flag`` itself with one process)."""
+    dist = _dist()
+    if dist is None:
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.long, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def window_indices(count: int) -> range:
     """The evaluation windows (of ``count``) this process measures."""
     p = processes()
@@ -174,6 +184,6 @@ def _comm_device() -> torch.device:
 
 
 __all__ = [
-    "Processes", "all_reduce_grads", "barrier", "check_batch", "fsdp_active", "fsdp_requested", "gather_window_sums", "global_tokens", "processes", "shard",
+    "Processes", "all_reduce_grads", "any_process", "barrier", "check_batch", "fsdp_active", "fsdp_requested", "gather_window_sums", "global_tokens", "processes", "shard",
     "use_fsdp", "window_indices",
 ]
