@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .evaluation import token_nll
 from .intervals import bootstrap_ci, copy_ci
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,7 @@ def copy_task(
     first_nll, second_nll = [], []
     for i in tqdm(range(0, draws, batch_size), desc=f"copy gap {gap}", disable=not progress, leave=False):
         x = seqs[i : i + batch_size].to(_device(model))
-        logp = torch.log_softmax(model(input_ids=x, use_cache=False).logits[:, :-1].float(), -1)
-        nll = -logp.gather(-1, x[:, 1:, None].to(logp.device))[..., 0]  # [b, L-1]: nll[t] predicts token t+1 (logits: the last device of a device map)
+        nll = token_nll(model(input_ids=x, use_cache=False).logits[:, :-1], x[:, 1:])  # [b, L-1]: nll[t] predicts token t+1 (on the logits' device: the last of a device map)
         a = slice(skip - 1, passage - 1)  # predicting tokens skip..passage-1 of the first copy
         s0 = passage + gap
         b = slice(s0 + skip - 1, s0 + passage - 1)
@@ -258,11 +258,22 @@ def _leading_space_tokens(space: list[int], answer: torch.Tensor) -> int:
     return min(len(os.path.commonprefix([answer.tolist(), space])), len(answer) - 1)
 
 
+def _last_logits(model: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+    """The logits of the last ``k`` positions of ``x``: only those are computed where the model
+    takes ``logits_to_keep`` (transformers' causal LMs; [b, k, vocab] instead of [b, L, vocab]),
+    else all of them."""
+    import inspect
+
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(input_ids=x, use_cache=False, logits_to_keep=k).logits
+    return model(input_ids=x, use_cache=False).logits
+
+
 def _passkey_hits(model: nn.Module, x: torch.Tensor, la: int, lead: int = 0) -> torch.Tensor:
     """``[b, 2]`` (bool): per row of ``x [b, L]``, whether its last ``la`` tokens (the answer) are
     each the argmax given the rest, and whether its answer tokens after the first ``lead`` are."""
     w = x.shape[1]
-    logits = model(input_ids=x, use_cache=False).logits[:, w - la - 1 : w - 1]
+    logits = _last_logits(model, x, la + 1)[:, -la - 1 : -1]
     ok = logits.argmax(-1).cpu() == x[:, w - la :].cpu()
     return torch.stack([ok.all(-1), ok[:, lead:].all(-1)], dim=1)
 

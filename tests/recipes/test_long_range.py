@@ -130,3 +130,44 @@ def test_tokenize_keeps_hf_rfa_progress_logging():
         assert ids.numel() == 4000 and log.level == logging.INFO
     finally:
         log.setLevel(old)
+
+
+def test_token_nll_equals_cross_entropy_in_float32_for_any_chunk():
+    from hf_rfa.recipes.evaluation import token_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 37, 50, generator=g) * 4
+    targets = torch.randint(0, 50, (3, 37), generator=g)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1), reduction="none").view(3, 37)
+    for chunk in (1, 5, 37, 256):
+        assert torch.equal(token_nll(logits, targets, chunk=chunk), ref)
+    low = logits.bfloat16()
+    ref16 = torch.nn.functional.cross_entropy(low.float().reshape(-1, 50), targets.reshape(-1), reduction="none").view(3, 37)
+    out = token_nll(low, targets, chunk=8)
+    assert out.dtype == torch.float32 and torch.equal(out, ref16)
+    with pytest.raises(ValueError, match=r"logits must be \[B, N, V\] and targets \[B, N\], got \(3, 37, 50\) and \(3, 36\)"):
+        token_nll(logits, targets[:, 1:])
+
+
+def test_passkey_reads_only_the_answers_logits_and_scores_as_the_full_logits_do():
+    from hf_rfa.recipes import long_range
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama").eval()
+    x = torch.randint(0, 100, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(input_ids=x, use_cache=False).logits
+        last = long_range._last_logits(model, x, 4)
+
+        class NoKeep(torch.nn.Module):  # a model without logits_to_keep: all logits, sliced
+            def __init__(self):
+                super().__init__()
+                self.m = model
+
+            def forward(self, input_ids, use_cache=False):
+                return self.m(input_ids=input_ids, use_cache=use_cache)
+
+        plain = long_range._last_logits(NoKeep(), x, 4)
+    assert last.shape == (2, 4, full.shape[-1]) and torch.allclose(last, full[:, -4:], atol=1e-6)
+    assert torch.equal(plain, full)
+    assert torch.equal(long_range._passkey_hits(model, x, 3), long_range._passkey_hits(NoKeep(), x, 3))

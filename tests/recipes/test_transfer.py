@@ -380,3 +380,25 @@ def test_lora_under_autocast_keeps_q_k_in_the_autocast_dtype(monkeypatch):
     transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 32, 1, 0), tokens=32, progress=False, autocast=torch.bfloat16)
     assert len(seen) == m.config.num_hidden_layers
     assert set(seen) == {(torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True)}
+
+
+def test_a_lora_merged_into_the_model_is_put_back_bit_for_bit():
+    """The window-only baseline's LoRA trains and merges into the model itself; restore_weights
+    gives back the exact weights and requires_grad flags the recipe then trains from."""
+    from hf_rfa.recipes.conversion.lora import restore_weights, target_weights
+
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="none", window=4, sinks=1))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in m.named_parameters()}
+    saved = target_weights(m)
+    assert saved.values and all(".q_proj." in k or ".k_proj." in k or ".v_proj." in k or ".o_proj." in k for k in saved.values)
+    merged, _ = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 1, 0), tokens=128, lr=1e-2, progress=False)
+    assert merged is m
+    changed = [k for k, v in m.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed and set(changed) <= set(saved.values)  # the merge changed the targets, nothing else
+    restore_weights(m, saved)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert {n: p.requires_grad for n, p in m.named_parameters()} == flags
+    with pytest.raises(ValueError, match="cannot restore"):
+        restore_weights(torch.nn.Linear(2, 2), saved)

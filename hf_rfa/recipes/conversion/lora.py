@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -101,6 +102,46 @@ def lora_finetune(
     return merged, res
 
 
+@dataclass
+class SavedWeights:
+    """What :func:`target_weights` copied: ``values`` of the LoRA targets' weights and biases by
+    parameter name, and every parameter's ``requires_grad``."""
+
+    values: dict[str, torch.Tensor]
+    requires_grad: dict[str, bool]
+
+
+def target_weights(model: nn.Module) -> SavedWeights:
+    """Copies of what a LoRA merge changes in ``model``: the weights (and biases) of the LoRA
+    target projections, and every parameter's ``requires_grad`` (:func:`lora_finetune` freezes the
+    merged model). The window-only baseline trains its LoRA on the model itself and puts these back
+    afterwards (:func:`restore_weights`) instead of training a copy of the whole model: on
+    Llama-shaped models about a tenth of the weights' memory instead of all of it."""
+    from ..training.peft_utils import lora_targets
+
+    targets = set(lora_targets(model))
+    values = {
+        f"{name}.{pn}": p.detach().clone()
+        for name, m in model.named_modules() if name.split(".")[-1] in targets
+        for pn, p in m.named_parameters(recurse=False)
+    }
+    return SavedWeights(values, {n: p.requires_grad for n, p in model.named_parameters()})
+
+
+@torch.no_grad()
+def restore_weights(model: nn.Module, saved: SavedWeights) -> None:
+    """Put back what :func:`target_weights` copied, bit for bit, and every ``requires_grad``."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(saved.values) - set(params))
+    if missing:
+        raise ValueError(f"cannot restore {missing[:3]}: the model has no such parameters")
+    for name, value in saved.values.items():
+        params[name].copy_(value)
+    for name, grad in saved.requires_grad.items():
+        if name in params:
+            params[name].requires_grad_(grad)
+
+
 def _train(
     peft_model: nn.Module, batches, tokens: int, lr: float, max_seconds: float | None, progress: bool, autocast: torch.dtype | None,
     sharded: bool = False,
@@ -149,4 +190,4 @@ def _train(
     return res
 
 
-__all__ = ["TRAIN_NAME", "lora_finetune", "register_train"]
+__all__ = ["TRAIN_NAME", "lora_finetune", "register_train", "SavedWeights", "restore_weights", "target_weights"]

@@ -3,12 +3,13 @@
 :func:`plan` builds the model on the meta device (``accelerate.init_empty_weights``: no weight is
 read or allocated), converts it there to count the feature-map tensors, and adds up, per process:
 
-- **weights**: the frozen weights in ``dtype`` plus the converted layers' tensors in float32; a
-  second copy while a window-only baseline trains its own LoRA. With FSDP (:mod:`.fsdp`) the
+- **weights**: the frozen weights in ``dtype`` plus the converted layers' tensors in float32; while
+  a window-only baseline trains its own LoRA (merged into the model itself), a copy of the LoRA
+  targets' weights to put back afterwards (**baseline copy**). With FSDP (:mod:`.fsdp`) the
   training stages hold 1/N of them (N processes) plus the **gathered units**: the root unit's own
   tensors (embeddings, final norm, output head; gathered for the whole forward) and two decoder
   layers (the one running and the one prefetched); evaluation runs on the gathered model (full
-  weights); the window-only baseline's LoRA shards its copy while the model itself stays whole;
+  weights);
 - **gradients and optimizer state** of what each stage trains (Adam: two float32 moments): the
   feature maps in attention transfer, the LoRA adapters in the LoRA stage (with FSDP: 1/N);
 - **activations** per stage: attention transfer holds each layer's captured q, k, v and softmax
@@ -33,16 +34,15 @@ refuses a run that would not fit, with the numbers and what to change.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .config import ConversionConfig
+from .host_memory import measure_peak_rss, rss_now
 
 GIB = 1024**3
 MIB = 1024**2
@@ -157,15 +157,17 @@ def _dims(config) -> dict[str, int]:
     return {"h": h, "L": text.num_hidden_layers, "H": heads, "Hkv": kv, "D": d, "I": inter, "V": text.vocab_size}
 
 
-def _lora_params(model: nn.Module, r: int) -> int:
+def _lora_params(model: nn.Module, r: int) -> tuple[int, int]:
+    """``(adapter parameters at rank r, parameters of the target projections)``."""
     from ..training.peft_utils import lora_targets
 
     targets = set(lora_targets(model))
-    n = 0
+    n = held = 0
     for name, m in model.named_modules():
         if name.split(".")[-1] in targets and hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2:
             n += r * sum(m.weight.shape)
-    return n
+            held += sum(p.numel() for p in m.parameters(recurse=False))
+    return n, held
 
 
 # --------------------------------------------------------------------------- the plan
@@ -196,7 +198,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     layers = rfa_layers(model)
     p_rfa = sum(t.numel() for r in layers.values() for t in list(r.parameters()) + list(r.buffers()))
     p_train = sum(p.numel() for r in layers.values() for p in r.parameters())
-    p_lora = _lora_params(model, cfg.lora_r) if cfg.lora_tokens > 0 else 0
+    p_lora, p_targets = _lora_params(model, cfg.lora_r) if cfg.lora_tokens > 0 else (0, 0)
     first = next(iter(layers.values()))
     feat = first.feature_map.feature_dim if cfg.rfa.feature_map != "none" else 0
     g = _dims(config)
@@ -214,7 +216,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     if p_train and cfg.transfer_tokens > 0:
         out.parts["transfer"] = {**train, **_sharded(_transfer(cfg, g, b, n, ab, feat, p_train, len(layers)), shard)}
     if p_lora and config_is_causal(config):
-        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, weights), shard)}
+        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
             out.parts["lora"]["autocast copy"] = p_orig * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
@@ -253,12 +255,12 @@ def _transfer(cfg, g, b, n, ab, feat, p_train, n_layers) -> dict[str, int]:
     return {"gradients": p_train * 4, "optimizer": 2 * p_train * 4, "captures": held * per_layer, "activations": graph + teacher}
 
 
-def _lora(cfg, g, b, n, ab, feat, p_lora, weights) -> dict[str, int]:
+def _lora(cfg, g, b, n, ab, feat, p_lora, targets) -> dict[str, int]:
     per_layer = b * n * (6 * g["h"] + 2 * g["Hkv"] * g["D"] + 4 * g["I"]) * ab + b * g["H"] * n * (g["D"] + max(feat, 1)) * 4
     logits = b * n * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
     parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": g["L"] * per_layer + logits}
     if cfg.evaluates_window_only and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
-        parts["baseline copy"] = weights  # the window-only baseline trains its LoRA on a copy of the model (FSDP: the copy sharded, the model whole)
+        parts["baseline copy"] = targets  # the window-only baseline's LoRA merges into the model; its target weights are kept to be put back
     return parts
 
 
@@ -280,15 +282,6 @@ def _decode(cfg, g, wb, feat, n_layers) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- does it fit
-def rss_now() -> int:
-    """This process's resident memory now (bytes); 0 where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def available_bytes(device: torch.device) -> int | None:
     """Free memory of ``device`` (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` or psutil)."""
     if device.type == "cuda":
@@ -354,40 +347,6 @@ def check_fits(p: MemoryPlan, device: torch.device | str, available: int | None 
         f"the memory plan needs {_fmt(need)} per process at its peak ({p.peak_stage}) but {device} has {_fmt(avail)} free: "
         f"try {', '.join(hints)} (--dry-run prints the plan; --no-memory-check skips this check)"
     )
-
-
-@contextlib.contextmanager
-def measure_peak_rss(interval: float = 0.02):
-    """``with measure_peak_rss() as peak:`` — ``peak[0]``, after the block, is the largest resident
-    memory of the process seen during it (bytes), sampled every ``interval`` seconds by a thread
-    (so a spike shorter than that can be missed); None where it cannot be read (not Linux). The
-    process's own high-water mark (``ru_maxrss``, ``/usr/bin/time``) is left untouched."""
-    out: list[int | None] = [None]
-    first = _rss_now()
-    if first is None:
-        yield out
-        return
-    best = [first]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(interval):
-            now = _rss_now()
-            if now is not None and now > best[0]:
-                best[0] = now
-
-    t = threading.Thread(target=sample, name="hf_rfa-peak-rss", daemon=True)
-    t.start()
-    try:
-        yield out
-    finally:
-        stop.set()
-        t.join()
-        out[0] = max(best[0], _rss_now() or 0)
-
-
-def _rss_now() -> int | None:
-    return rss_now() or None
 
 
 __all__ = ["CUDA_CONTEXT_BYTES", "MemoryPlan", "PlanDoesNotFit", "available_bytes", "check_before_loading", "check_fits", "load_config", "measure_peak_rss", "meta_model", "plan", "rss_now"]

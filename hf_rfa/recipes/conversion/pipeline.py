@@ -124,7 +124,7 @@ def plotting_available() -> bool:
 def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
     """Load, run the stages, export into ``tmp`` with the reports (``tmp=None``: a process other
     than the main one, which writes nothing); returns the report."""
-    from .memory_plan import measure_peak_rss
+    from .host_memory import measure_peak_rss
 
     total = _Timer()
     planned = None

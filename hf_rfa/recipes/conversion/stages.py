@@ -12,7 +12,6 @@ encoder:    sentences → original → random baselines → window-only baseline
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Callable
 
@@ -20,11 +19,11 @@ import torch
 
 from .. import evaluation
 from ..intervals import paired_ratio_ci
-from . import calibration, devices, layerwise, transfer
+from . import calibration, devices, layerwise, lora, transfer
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
-from .memory_plan import measure_peak_rss
+from .host_memory import measure_peak_rss, release_free_memory
 from .state import State, classifier_scores, evaluate
 
 logger = logging.getLogger(__name__)
@@ -148,29 +147,37 @@ def window_only_baseline(s: State) -> None:
         return
     if cfg.lora_tokens <= 0:
         return
-    trained, res = transfer.lora_finetune(
-        copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
-    )
+    res = _baseline_lora(s)
     s.stages["lora (window-only)"] = res.as_dict()
     s.baseline = f"{label}, after LoRA"
-    evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
+    evaluate(s, s.baseline, res.as_dict(), passkey=True)
     if cfg.memory_after_training:  # the same exact memory, switched on after the same LoRA (no features: ranked by ||v||)
-        set_memory(trained, cfg.memory_after_training, cfg.rfa.memory_every, "value_norm")
+        set_memory(s.model, cfg.memory_after_training, cfg.rfa.memory_every, "value_norm")
         s.baseline = f"window-only: window {window} + sinks {sinks} + memory {cfg.memory_after_training} (value_norm), no features, after LoRA"
-        evaluate(s, s.baseline, res.as_dict(), of=trained, passkey=True)
-    del trained
+        evaluate(s, s.baseline, res.as_dict(), passkey=True)
+    s.restore()
     for w in cfg.baseline_windows:  # e.g. the equal-decode-state window: trained rows only (causal)
         if w == window:
             continue
         convert(s.model, RFAConfig(feature_map="none", window=w, sinks=sinks, seed=cfg.seed, memory=memory, memory_every=cfg.rfa.memory_every))
-        trained, res = transfer.lora_finetune(
-            copy.deepcopy(s.model), _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-            max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
-        )
+        res = _baseline_lora(s)
         s.stages[f"lora (window-only {w})"] = res.as_dict()
-        evaluate(s, f"window-only: window {w} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features, after LoRA", res.as_dict(), of=trained, passkey=True)
-        del trained
+        evaluate(s, f"window-only: window {w} + sinks {sinks}" + (f" + memory {memory}" if memory else "") + ", no features, after LoRA", res.as_dict(), passkey=True)
+        s.restore()
+
+
+def _baseline_lora(s: State):
+    """A baseline's LoRA, trained and merged into the model itself: the weights it changes are
+    copied first (:func:`.lora.target_weights`) and :meth:`State.restore` puts them back, so the
+    recipe trains from the same weights without a second copy of the model in memory."""
+    cfg = s.cfg
+    s.saved = lora.target_weights(s.model)
+    trained, res = transfer.lora_finetune(
+        s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
+        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
+    )
+    s.model = trained  # the same module tree, its target weights merged
+    return res
 
 
 # --------------------------------------------------------------------------- the converted model
@@ -372,10 +379,12 @@ STAGES: dict[str, list[Stage]] = {
 def run_stages(s: State) -> State:
     """Run ``STAGES[s.kind]`` in order over ``s``; each stage's peak resident memory (on Linux, sampled) goes
     into ``report["memory"]["peak_rss_bytes"]`` under the stage's name (the measured side of the
-    memory plan, ``--dry-run``)."""
+    memory plan, ``--dry-run``). Before each stage the C heap's free pages go back to the system
+    (:func:`.host_memory.release_free_memory`)."""
     peaks = s.report.setdefault("memory", {}).setdefault("peak_rss_bytes", {})
     for stage in STAGES[s.kind]:
         logger.debug("stage %s", stage.__name__)
+        release_free_memory()  # what the last stage freed leaves the resident set (host_memory)
         with measure_peak_rss() as peak:
             stage(s)
         if peak[0] is not None:

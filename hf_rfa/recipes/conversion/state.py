@@ -21,6 +21,7 @@ from ..intervals import fmt
 from . import calibration, transfer
 from ...config import CONFIG_ATTR, RFAConfig
 from .config import ConversionConfig
+from .host_memory import release_free_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,17 @@ class State:
     final: str = ""
     #: name of the window-only baseline's final row (None: not run)
     baseline: str | None = None
+    #: what a baseline's LoRA changed in the model, until :meth:`restore` puts it back
+    saved: Any = None
+
+    def restore(self) -> None:
+        """After a baseline's LoRA (trained and merged into the model itself): its weights as they
+        were before it (:func:`.lora.restore_weights`)."""
+        if self.saved is not None:
+            from .lora import restore_weights
+
+            restore_weights(self.model, self.saved)
+            self.saved = None
 
     @property
     def rows(self) -> list[dict]:
@@ -70,7 +82,10 @@ class State:
 
 
 def evaluate(s: State, name: str, stage: dict | None = None, of: nn.Module | None = None, passkey: bool = False) -> None:
-    """Append the rows of variant ``name`` (``of``, default the state's model); ``stage``: its training."""
+    """Append the rows of variant ``name`` (``of``, default the state's model); ``stage``: its training.
+    What training freed (a model copy, its activations) first leaves the resident set
+    (:func:`.host_memory.release_free_memory`)."""
+    release_free_memory()
     EVALUATORS[s.kind](s, name, of if of is not None else s.model, passkey)
     if stage:
         for row in s.rows:
