@@ -321,27 +321,34 @@ def test_conversion_config_checks_schedule_and_blocks():
 
 
 def test_lora_finetune_keeps_nothing_of_a_step_alive_into_the_next():
-    """Each step's logits (and the loss with its spent graph) are released before the next
-    step's forward runs, so they do not add to the peak memory of a long-context run."""
+    """Each step's hidden states and logits (and the loss with its spent graph) are released
+    before the next step's forward runs, so they do not add to the peak memory of a long-context
+    run (the loss runs the head chunk by chunk: lm_loss)."""
     import gc
     import weakref
 
     m = tiny_model("llama")
     hf_rfa.convert(m, hf_rfa.RFAConfig(**HYBRID))
-    refs, alive = [], []
+    refs, alive, heads = [], [], []
 
     def pre(mod, args, kwargs):
         gc.collect()
         alive.append(sum(r() is not None for r in refs))
 
     def post(mod, args, kwargs, out):
-        refs.append(weakref.ref(out.logits))
+        refs.append(weakref.ref(out.last_hidden_state))
 
-    m.register_forward_pre_hook(pre, with_kwargs=True)
-    m.register_forward_hook(post, with_kwargs=True)
+    def head(mod, args, out):
+        heads.append(out.shape[1])
+        refs.append(weakref.ref(out))
+
+    m.model.register_forward_pre_hook(pre, with_kwargs=True)
+    m.model.register_forward_hook(post, with_kwargs=True)
+    m.lm_head.register_forward_hook(head)
     _, res = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 2, 0), tokens=64 * 2 * 3, lr=1e-2, progress=False)
-    assert res.steps == 3 and len(refs) == 3 and all(isinstance(x, float) for x in res.losses)
-    assert alive == [0, 0, 0]  # no earlier step's logits alive when a forward starts
+    assert res.steps == 3 and all(isinstance(x, float) for x in res.losses)
+    assert alive == [0, 0, 0]  # no earlier step's hidden states or logits alive when a forward starts
+    assert heads and max(heads) == 63  # the head saw the 63 predicting positions (one chunk here), twice per step with the recompute
 
 
 def test_lora_trains_a_layer_set_to_an_inference_only_backend():

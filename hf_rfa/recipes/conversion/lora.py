@@ -24,6 +24,7 @@ from . import distributed, fsdp, precision
 from .budget import TransferResult, check_limit
 from .calibration import attn_implementation, rfa_layers
 from .devices import input_device, to_device
+from .lm_loss import causal_lm_loss, supports_chunked_loss
 from ...hf.loading import is_converted
 from ...ops.backends import training_backend
 
@@ -157,6 +158,7 @@ def _train(
     base = peft_model.get_base_model()
     device = input_device(base)
     res.autocast = precision.dtype_name(autocast)
+    chunked = not sharded and supports_chunked_loss(base)
     try:
         with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
             for ids, mask in batches:
@@ -164,7 +166,10 @@ def _train(
                 ids, mask = to_device(ids, device), to_device(mask, device)
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
-                    loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                    if chunked:  # the same loss without the full logits in memory (lm_loss)
+                        loss = causal_lm_loss(base, ids, mask, labels)
+                    else:
+                        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 res.losses.append(float(loss.detach()))

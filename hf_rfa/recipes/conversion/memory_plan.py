@@ -14,8 +14,9 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   feature maps in attention transfer, the LoRA adapters in the LoRA stage (with FSDP: 1/N);
 - **activations** per stage: attention transfer holds each layer's captured q, k, v and softmax
   output (all layers at once, or one with ``transfer_layerwise``) and one layer's training graph;
-  LoRA holds the model's saved activations for the backward and the float32 logits of the loss;
-  evaluation one window's logits;
+  LoRA holds the model's saved activations for the backward and the float32 logits of the loss
+  (of one chunk of positions where :mod:`.lm_loss` computes it); evaluation one window's logits
+  and one chunk's float32 log-softmax;
 - **decode cache**: the constant-size RFA state of the converted model next to the softmax KV
   cache at the longest evaluation context;
 - **upcast copy**: on a CPU without bf16 matrix hardware, low-precision weights are multiplied
@@ -43,6 +44,8 @@ from torch import nn
 
 from .config import ConversionConfig
 from .host_memory import measure_peak_rss, rss_now
+from .lm_loss import LOSS_CHUNK, supports_chunked_loss
+from ..evaluation import NLL_CHUNK
 
 GIB = 1024**3
 MIB = 1024**2
@@ -216,7 +219,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     if p_train and cfg.transfer_tokens > 0:
         out.parts["transfer"] = {**train, **_sharded(_transfer(cfg, g, b, n, ab, feat, p_train, len(layers)), shard)}
     if p_lora and config_is_causal(config):
-        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb), shard)}
+        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=shard == 1 and supports_chunked_loss(model)), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
             out.parts["lora"]["autocast copy"] = p_orig * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
@@ -255,9 +258,10 @@ def _transfer(cfg, g, b, n, ab, feat, p_train, n_layers) -> dict[str, int]:
     return {"gradients": p_train * 4, "optimizer": 2 * p_train * 4, "captures": held * per_layer, "activations": graph + teacher}
 
 
-def _lora(cfg, g, b, n, ab, feat, p_lora, targets) -> dict[str, int]:
+def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False) -> dict[str, int]:
     per_layer = b * n * (6 * g["h"] + 2 * g["Hkv"] * g["D"] + 4 * g["I"]) * ab + b * g["H"] * n * (g["D"] + max(feat, 1)) * 4
-    logits = b * n * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
+    rows = min(n, LOSS_CHUNK) if chunked else n  # lm_loss: one chunk's logits at a time (the hidden states are counted per layer)
+    logits = b * rows * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
     parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": g["L"] * per_layer + logits}
     if cfg.evaluates_window_only and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
         parts["baseline copy"] = targets  # the window-only baseline's LoRA merges into the model; its target weights are kept to be put back
@@ -266,9 +270,7 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, targets) -> dict[str, int]:
 
 def _eval(cfg, g, ab) -> dict[str, int]:
     n = max(cfg.eval_contexts)
-    logits = n * g["V"] * (ab + 2 * 4)  # logits and the float32 copy of the loss
-    if cfg.passkey_lengths:  # passkey trials run 4 prompts at once (their logits, no loss)
-        logits = max(logits, 4 * max(cfg.passkey_lengths) * g["V"] * ab)
+    logits = n * g["V"] * ab + min(n, NLL_CHUNK) * g["V"] * 2 * 4  # the logits, one chunk's float32 copy and log-softmax (evaluation.token_nll; passkey: the answer's logits only)
     layer = n * (g["h"] * 4 + g["I"] * 3) * ab + g["H"] * min(n, 1024) * n * 4
     return {"activations": logits + layer}
 

@@ -19,7 +19,8 @@ import torch
 
 from .. import evaluation
 from ..intervals import paired_ratio_ci
-from . import calibration, devices, layerwise, lora, transfer
+from . import calibration, devices, layerwise, transfer
+from .lora import target_weights
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
@@ -171,7 +172,7 @@ def _baseline_lora(s: State):
     copied first (:func:`.lora.target_weights`) and :meth:`State.restore` puts them back, so the
     recipe trains from the same weights without a second copy of the model in memory."""
     cfg = s.cfg
-    s.saved = lora.target_weights(s.model)
+    s.saved = target_weights(s.model)
     trained, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
         max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),

@@ -1,0 +1,58 @@
+"""The next-token loss of a causal LM without its full logits in memory.
+
+transformers' causal LMs compute the logits of every position (``[B, N, vocab]``), copy them to
+float32 and take their log-softmax for the loss; with the graph kept for the backward that is
+several float32 copies of ``B·N·vocab`` (SmolLM2's 49k vocabulary at a 4,096-token LoRA context:
+0.8 GiB each; Llama 3's 128k: 2.1 GiB each), the largest activation of a LoRA step. Here the
+decoder's hidden states go through the output head and the cross-entropy ``chunk`` positions at a
+time, each chunk under activation checkpointing, so only one chunk's logits exist at once, in the
+forward and again in the backward: the same loss and the same gradients (the mean over the
+predicted tokens, as ``ForCausalLMLoss``), a little more compute (the head runs twice).
+
+Only for architectures whose forward is exactly ``decoder → lm_head → ForCausalLMLoss``
+(:data:`PLAIN_HEADS`); anything else (logit soft-capping, scaled logits, a custom loss, a sharded
+FSDP model whose head is gathered by its root module) keeps the model's own loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: causal LMs whose forward is ``lm_head(decoder(...).last_hidden_state)`` and the stock loss
+PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"})
+#: positions per chunk of the output head and the loss
+LOSS_CHUNK = 512
+
+
+def supports_chunked_loss(lm: nn.Module) -> bool:
+    """Whether :func:`causal_lm_loss` computes ``lm``'s own loss (see the module docstring)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if type(lm).__name__ not in PLAIN_HEADS or lm.get_output_embeddings() is None:
+        return False
+    return getattr(lm, "loss_function", None) is ForCausalLMLoss
+
+
+def _chunk_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def causal_lm_loss(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor, chunk: int = LOSS_CHUNK) -> torch.Tensor:
+    """``lm(input_ids=ids, attention_mask=mask, labels=labels).loss`` for a model of
+    :data:`PLAIN_HEADS` (check with :func:`supports_chunked_loss`), with the output head and the
+    loss run ``chunk`` positions at a time under activation checkpointing."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    hidden = lm.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
+    target = labels[:, 1:].to(hidden.device)
+    head = lm.get_output_embeddings()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[1], chunk):
+        total = total + checkpoint(_chunk_nll, head, hidden[:, i : i + chunk], target[:, i : i + chunk], use_reentrant=False)
+    return total / (target != -100).sum()
+
+
+__all__ = ["LOSS_CHUNK", "PLAIN_HEADS", "causal_lm_loss", "supports_chunked_loss"]

@@ -1,0 +1,40 @@
+"""The chunked next-token loss (hf_rfa.recipes.conversion.lm_loss) equals the model's own loss and
+gradients, and is used only where the model's forward is the plain head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_rfa
+from hf_rfa.recipes.conversion.lm_loss import causal_lm_loss, supports_chunked_loss
+from tiny_models import batch, tiny_model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("converted", [False, True])
+def test_chunked_loss_and_gradients_equal_the_models_own(family, converted):
+    model = tiny_model(family).eval()  # no dropout: the two forwards see the same network
+    if converted:
+        hf_rfa.convert(model, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+    ids, mask = batch(family, n=23, b=3)
+    labels = ids.masked_fill(mask == 0, -100)
+    assert supports_chunked_loss(model)
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    ref_grads = torch.autograd.grad(ref, [p for p in model.parameters() if p.requires_grad])
+    for chunk in (1, 5, 512):
+        loss = causal_lm_loss(model, ids, mask, labels, chunk=chunk)
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        assert torch.allclose(loss, ref, rtol=1e-6, atol=0), (chunk, float(loss), float(ref))
+        worst = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(grads, ref_grads))
+        assert worst < 1e-5, (chunk, worst)
+
+
+def test_only_plain_heads_use_it():
+    model = tiny_model("llama")
+    assert supports_chunked_loss(model)
+    model.loss_function = lambda *a, **k: None  # a custom loss: keep the model's own
+    assert not supports_chunked_loss(model)
+    assert not supports_chunked_loss(tiny_model("bert"))
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        causal_lm_loss(tiny_model("llama"), *batch("llama")[:1], None, batch("llama")[0], chunk=0)
