@@ -210,3 +210,19 @@ def test_free_heap_memory_leaves_the_resident_set_only_when_released():
     libc.free(pin)
     assert held - freed < 40 * 2**20, (held, freed)  # free() alone keeps (almost) all of it resident
     assert freed - released > 120 * 2**20, (freed, released)
+
+
+def test_the_llama_3_8b_tables_of_the_gpu_page_are_the_current_plan():
+    """docs/gpus.md's --dry-run tables for Llama-3-8B shapes (CUDA: no machine-dependent part) are
+    what scripts/render_dry_run_docs.py writes from the plan today."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("render_dry_run_docs", os.path.join(root, "scripts", "render_dry_run_docs.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    blocks = [m.group(0) for m in mod.BLOCK.finditer(mod.PAGE.read_text())]
+    assert len(blocks) == len(mod.TABLES)
+    for block, (flags, env, name) in zip(blocks, mod.TABLES):
+        if "cuda" in flags:
+            assert block == mod.plan_markdown(flags, env, name), name
