@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import platform
 import re
@@ -76,38 +77,59 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def _command(cfg: dict, tasks: list[str], out_dir: str, aliases: dict[str, str] | None = None) -> str:
-    """The ``hf-rfa-lm-eval`` command line of one lm-eval run (as run: cpu, batch 1, samples logged)."""
+def _command(cfg: dict, tasks: dict[str, list[int]], out_dir: str, aliases: dict[str, str] | None = None) -> str:
+    """The ``hf-rfa-lm-eval`` command line of one lm-eval run (as run: cpu, batch 1, samples logged);
+    ``tasks``: the documents it scored per task (a run without ``--limit`` names them with ``--samples``)."""
     args = cfg.get("model_args")
     if isinstance(args, dict):
         args = ",".join(f"{k}={v}" for k, v in args.items())
     parts = ["hf-rfa-lm-eval", "--model", cfg["model"], "--model_args", _portable(args, aliases), "--tasks", ",".join(tasks)]
     if cfg.get("limit") is not None:
         parts += ["--limit", str(int(cfg["limit"]))]
+    elif any(ids != list(range(len(ids))) for ids in tasks.values()):
+        parts += ["--samples", json.dumps(tasks, separators=(",", ":"))]
     parts += ["--device", "cpu", "--batch_size", "1", "--log_samples", "--output_path", _portable(out_dir, aliases)]
     return " ".join(_shell(a) for a in parts)
 
 
+def mean_stderr(values: list[float]) -> float:
+    """lm-eval's stderr of a mean (``lm_eval.api.metrics.mean_stderr``): sample std / √n."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mu = sum(values) / n
+    return math.sqrt(sum((x - mu) ** 2 for x in values) / (n - 1) / n)
+
+
 def read_lm_eval_folder(folder: str, aliases: dict[str, str] | None = None) -> dict:
     """``{"tasks": {task: {...}}, "commands": [...], "seconds": float}`` from lm-eval output folders
-    (``results_*.json`` and ``samples_<task>_*.jsonl`` under ``folder``); newest run per task."""
-    runs = sorted(glob.glob(os.path.join(folder, "**", "results_*.json"), recursive=True))
+    (``results_*.json`` and ``samples_<task>_*.jsonl`` under ``folder``). Runs are merged per task by
+    document (a later run's result of a document replaces an earlier one's, e.g. ``--samples`` adding
+    documents after a ``--limit`` run); acc and stderr are recomputed over the merged documents the way
+    lm-eval computes them."""
+    runs = sorted(glob.glob(os.path.join(folder, "**", "results_*.json"), recursive=True), key=lambda p: Path(p).name)
     if not runs:
         raise ValueError(f"no lm-eval results_*.json under {folder}")
-    tasks: dict = {}
+    per_task: dict = {}
     commands, seconds = [], 0.0
-    for path in runs:  # oldest first: a newer run of a task replaces an older one
+    for path in runs:  # oldest first
         res = json.loads(Path(path).read_text())
         stamp = Path(path).stem[len("results_"):]
-        names = sorted(res["results"])
-        commands.append(_command(res["config"], names, folder, aliases))
-        seconds += float(res.get("total_evaluation_time_seconds") or 0.0)
-        for t in names:
+        scored = {}
+        for t in sorted(res["results"]):
             (sample_file,) = glob.glob(os.path.join(os.path.dirname(path), f"samples_{t}_{stamp}.jsonl"))
-            samples = sorted((json.loads(line) for line in Path(sample_file).read_text().splitlines() if line.strip()), key=lambda s: s["doc_id"])
-            r = res["results"][t]
-            tasks[t] = {"shots": int(res["n-shot"][t]), "n": len(samples), "acc": float(r["acc,none"]), "stderr": float(r["acc_stderr,none"]),
-                        "doc_ids": [int(s["doc_id"]) for s in samples], "correct": [float(s["acc"]) for s in samples]}
+            samples = [json.loads(line) for line in Path(sample_file).read_text().splitlines() if line.strip()]
+            entry = per_task.setdefault(t, {"shots": int(res["n-shot"][t]), "docs": {}})
+            entry["docs"].update({int(x["doc_id"]): float(x["acc"]) for x in samples})
+            scored[t] = sorted(int(x["doc_id"]) for x in samples)
+        commands.append(_command(res["config"], scored, folder, aliases))
+        seconds += float(res.get("total_evaluation_time_seconds") or 0.0)
+    tasks = {}
+    for t, e in per_task.items():
+        ids = sorted(e["docs"])
+        correct = [e["docs"][d] for d in ids]
+        tasks[t] = {"shots": e["shots"], "n": len(ids), "acc": sum(correct) / len(ids), "stderr": mean_stderr(correct),
+                    "doc_ids": ids, "correct": correct}
     return {"tasks": tasks, "commands": commands, "seconds": seconds}
 
 

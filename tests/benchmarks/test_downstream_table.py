@@ -62,23 +62,32 @@ def test_render_refuses_a_task_a_model_did_not_score():
         bench.render(data)
 
 
-def test_read_lm_eval_folder_takes_the_newest_run_of_each_task(tmp_path):
+def test_read_lm_eval_folder_merges_runs_by_document(tmp_path):
     sub = tmp_path / "model_dir"
     sub.mkdir()
 
-    def write(stamp: str, task: str, accs: list[float], limit: int) -> None:
-        cfg = {"model": "hf_rfa", "model_args": "pretrained=x,dtype=float32", "limit": float(limit)}
-        res = {"results": {task: {"acc,none": sum(accs) / len(accs), "acc_stderr,none": 0.1}}, "n-shot": {task: 8}, "config": cfg,
+    def write(stamp: str, task: str, accs: dict[int, float], limit: int | None) -> None:
+        cfg = {"model": "hf_rfa", "model_args": "pretrained=x,dtype=float32", "limit": None if limit is None else float(limit)}
+        res = {"results": {task: {"acc,none": 0.5, "acc_stderr,none": 0.1}}, "n-shot": {task: 8}, "config": cfg,
                "total_evaluation_time_seconds": "30.0"}
         (sub / f"results_{stamp}.json").write_text(json.dumps(res))
-        (sub / f"samples_{task}_{stamp}.jsonl").write_text("".join(json.dumps({"doc_id": i, "acc": a}) + "\n" for i, a in reversed(list(enumerate(accs)))))
+        (sub / f"samples_{task}_{stamp}.jsonl").write_text("".join(json.dumps({"doc_id": i, "acc": a}) + "\n" for i, a in reversed(list(accs.items()))))
 
-    write("2026-01-01T00-00-00.0", "t", [0.0, 0.0], 2)
-    write("2026-01-02T00-00-00.0", "t", [1.0, 0.0, 1.0], 3)
-    write("2026-01-02T00-00-01.0", "u", [1.0], 1)
+    write("2026-01-01T00-00-00.0", "t", {0: 0.0, 1: 0.0}, 2)
+    write("2026-01-02T00-00-00.0", "t", {1: 1.0, 3: 1.0}, None)  # --samples: replaces doc 1, adds doc 3
+    write("2026-01-02T00-00-01.0", "u", {0: 1.0}, 1)
     run = bench.read_lm_eval_folder(str(tmp_path), aliases={str(tmp_path): "out/lm_eval"})
-    assert run["tasks"]["t"]["correct"] == [1.0, 0.0, 1.0] and run["tasks"]["t"]["doc_ids"] == [0, 1, 2]
-    assert run["tasks"]["t"]["n"] == 3 and run["tasks"]["u"]["shots"] == 8 and run["seconds"] == pytest.approx(90.0)
-    assert run["commands"][1] == ("hf-rfa-lm-eval --model hf_rfa --model_args pretrained=x,dtype=float32 --tasks t --limit 3 "
+    t = run["tasks"]["t"]
+    assert t["doc_ids"] == [0, 1, 3] and t["correct"] == [0.0, 1.0, 1.0] and t["n"] == 3
+    assert t["acc"] == pytest.approx(2 / 3) and t["stderr"] == pytest.approx(_task([0.0, 1.0, 1.0], 8)["stderr"])
+    assert run["tasks"]["u"]["shots"] == 8 and run["seconds"] == pytest.approx(90.0)
+    assert run["commands"][0] == ("hf-rfa-lm-eval --model hf_rfa --model_args pretrained=x,dtype=float32 --tasks t --limit 2 "
                                   "--device cpu --batch_size 1 --log_samples --output_path out/lm_eval")
+    assert """--samples '{"t":[1,3]}'""" in run["commands"][1]
 
+
+def test_mean_stderr_is_lm_eval_s():
+    mean_stderr = pytest.importorskip("lm_eval.api.metrics").mean_stderr
+
+    values = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert bench.mean_stderr(values) == pytest.approx(mean_stderr(values))
