@@ -43,7 +43,8 @@ def test_render_cells_differences_and_goals_follow_the_numbers():
     row = next(line for line in text.splitlines() if line.startswith("| `rfa_rotten_tomatoes` |"))
     lo, hi = bench.interval(0.8, _task([1.0] * 8 + [0.0] * 2, 8)["stderr"])
     assert f"80.0 [{100 * lo:.1f}, {100 * hi:.1f}]" in row and "| 8 | 10 |" in row and "+0.0 [+0.0, +0.0]" in row
-    assert "`rfa_rotten_tomatoes` (short): recipe within 2 points of the original — **met** (+0.0 points)" in text
+    assert ("`rfa_rotten_tomatoes` (short): recipe at most 2 points below the original — **met** (+0.0 points; "
+            "the paired interval rules out a larger loss)") in text
     assert "`rfa_rotten_tomatoes_manyshot` (many-shot): recipe ahead of window-only W320 by more than the intervals — **met**" in text
     many_row = next(line for line in text.splitlines() if line.startswith("| `rfa_rotten_tomatoes_manyshot` |"))
     assert many_row.rstrip(" |").split("| ")[-1].startswith("+97.5")  # recipe − window-only: 1 − 1/40
@@ -51,7 +52,7 @@ def test_render_cells_differences_and_goals_follow_the_numbers():
 
 def test_goals_fail_when_the_recipe_falls_behind():
     text = bench.render(_data([1.0] * 7 + [0.0] * 3, [1.0] * 20 + [0.0] * 20, [1.0] * 19 + [0.0] * 21))
-    assert "within 2 points of the original — **not met** (-10.0 points)" in text
+    assert "at most 2 points below the original — **not met** (-10.0 points; the paired interval does not rule out a larger loss)" in text
     assert "by more than the intervals — **not met**" in text
 
 
