@@ -92,3 +92,20 @@ def test_mean_stderr_is_lm_eval_s():
 
     values = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
     assert bench.mean_stderr(values) == pytest.approx(mean_stderr(values))
+
+
+def test_docs_page_holds_the_table_rendered_from_the_kept_results_file():
+    """docs/lm_eval.md's downstream table is the rendering of the kept file, byte for byte
+    (``python benchmarks/downstream_table.py --docs`` regenerates it)."""
+    page = (ROOT / bench.DOCS_PAGE).read_text(encoding="utf-8")
+    section = bench.docs_section(ROOT)
+    assert section in page, "docs/lm_eval.md's downstream table is stale: run `python benchmarks/downstream_table.py --docs`"
+    data = json.loads((ROOT / bench.RESULTS_FILE).read_text())
+    assert list(data["models"])[:3] == ["original", "recipe", "window-only W320"]
+    from hf_rfa.integrations.lm_eval_tasks import TASKS
+
+    assert set(data["tasks"]) == set(TASKS), "the table covers every offline task"
+    for task, per in data["tasks"].items():
+        for model, r in per.items():
+            assert len(r["correct"]) == r["n"] == len(r["doc_ids"]), (task, model)
+            assert sum(r["correct"]) / r["n"] == pytest.approx(r["acc"]), (task, model)
