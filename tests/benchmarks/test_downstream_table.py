@@ -1,0 +1,111 @@
+"""benchmarks/downstream_table.py: lm-eval output folders are read per document, the table's
+intervals and goal lines follow from the numbers, and docs/lm_eval.md holds the table rendered from
+the kept results file."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("downstream_table_bench", ROOT / "benchmarks" / "downstream_table.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def _task(correct: list[float], shots: int) -> dict:
+    n = len(correct)
+    acc = sum(correct) / n
+    sd = math.sqrt(sum((c - acc) ** 2 for c in correct) / (n - 1))
+    return {"shots": shots, "n": n, "acc": acc, "stderr": sd / math.sqrt(n), "doc_ids": list(range(n)), "correct": correct}
+
+
+def _data(short_recipe: list[float], many_recipe: list[float], many_window: list[float]) -> dict:
+    models = {m: {"commands": [f"hf-rfa-lm-eval --model {m}"], "minutes": 1.0} for m in ("original", "recipe", "window-only W320")}
+    short_orig = [1.0] * 8 + [0.0] * 2
+    return {"cpu": "test CPU", "hf_rfa": "0", "lm_eval": "0", "note": "", "models": models, "tasks": {
+        "rfa_rotten_tomatoes": {"original": _task(short_orig, 8), "recipe": _task(short_recipe, 8), "window-only W320": _task(short_orig, 8)},
+        "rfa_rotten_tomatoes_manyshot": {"original": _task(many_recipe, 128), "recipe": _task(many_recipe, 128),
+                                         "window-only W320": _task(many_window, 128)},
+    }}
+
+
+def test_interval_is_lm_eval_stderr_times_1_96_clipped():
+    assert bench.interval(0.5, 0.1) == pytest.approx((0.304, 0.696))
+    assert bench.interval(0.95, 0.05) == pytest.approx((0.852, 1.0))
+
+
+def test_render_cells_differences_and_goals_follow_the_numbers():
+    many_recipe, many_window = [1.0] * 40, [0.0] * 39 + [1.0]
+    text = bench.render(_data([1.0] * 8 + [0.0] * 2, many_recipe, many_window))
+    row = next(line for line in text.splitlines() if line.startswith("| `rfa_rotten_tomatoes` |"))
+    lo, hi = bench.interval(0.8, _task([1.0] * 8 + [0.0] * 2, 8)["stderr"])
+    assert f"80.0 [{100 * lo:.1f}, {100 * hi:.1f}]" in row and "| 8 | 10 |" in row and "+0.0 [+0.0, +0.0]" in row
+    assert ("`rfa_rotten_tomatoes` (short): recipe at most 2 points below the original — **met** (+0.0 points; "
+            "the paired interval rules out a larger loss)") in text
+    assert "`rfa_rotten_tomatoes_manyshot` (many-shot): recipe ahead of window-only W320 by more than the intervals — **met**" in text
+    many_row = next(line for line in text.splitlines() if line.startswith("| `rfa_rotten_tomatoes_manyshot` |"))
+    assert many_row.rstrip(" |").split("| ")[-1].startswith("+97.5")  # recipe − window-only: 1 − 1/40
+
+
+def test_goals_fail_when_the_recipe_falls_behind():
+    text = bench.render(_data([1.0] * 7 + [0.0] * 3, [1.0] * 20 + [0.0] * 20, [1.0] * 19 + [0.0] * 21))
+    assert "at most 2 points below the original — **not met** (-10.0 points; the paired interval does not rule out a larger loss)" in text
+    assert "by more than the intervals — **not met**" in text
+
+
+def test_render_refuses_a_task_a_model_did_not_score():
+    data = _data([1.0] * 10, [1.0] * 4, [0.0] * 4)
+    del data["tasks"]["rfa_rotten_tomatoes"]["recipe"]
+    with pytest.raises(ValueError, match="no result for"):
+        bench.render(data)
+
+
+def test_read_lm_eval_folder_merges_runs_by_document(tmp_path):
+    sub = tmp_path / "model_dir"
+    sub.mkdir()
+
+    def write(stamp: str, task: str, accs: dict[int, float], limit: int | None) -> None:
+        cfg = {"model": "hf_rfa", "model_args": "pretrained=x,dtype=float32", "limit": None if limit is None else float(limit)}
+        res = {"results": {task: {"acc,none": 0.5, "acc_stderr,none": 0.1}}, "n-shot": {task: 8}, "config": cfg,
+               "total_evaluation_time_seconds": "30.0"}
+        (sub / f"results_{stamp}.json").write_text(json.dumps(res))
+        (sub / f"samples_{task}_{stamp}.jsonl").write_text("".join(json.dumps({"doc_id": i, "acc": a}) + "\n" for i, a in reversed(list(accs.items()))))
+
+    write("2026-01-01T00-00-00.0", "t", {0: 0.0, 1: 0.0}, 2)
+    write("2026-01-02T00-00-00.0", "t", {1: 1.0, 3: 1.0}, None)  # --samples: replaces doc 1, adds doc 3
+    write("2026-01-02T00-00-01.0", "u", {0: 1.0}, 1)
+    run = bench.read_lm_eval_folder(str(tmp_path), aliases={str(tmp_path): "out/lm_eval"})
+    t = run["tasks"]["t"]
+    assert t["doc_ids"] == [0, 1, 3] and t["correct"] == [0.0, 1.0, 1.0] and t["n"] == 3
+    assert t["acc"] == pytest.approx(2 / 3) and t["stderr"] == pytest.approx(_task([0.0, 1.0, 1.0], 8)["stderr"])
+    assert run["tasks"]["u"]["shots"] == 8 and run["seconds"] == pytest.approx(90.0)
+    assert run["commands"][0] == ("hf-rfa-lm-eval --model hf_rfa --model_args pretrained=x,dtype=float32 --tasks t --limit 2 "
+                                  "--device cpu --batch_size 1 --log_samples --output_path out/lm_eval")
+    assert """--samples '{"t":[1,3]}'""" in run["commands"][1]
+
+
+def test_mean_stderr_is_lm_eval_s():
+    mean_stderr = pytest.importorskip("lm_eval.api.metrics").mean_stderr
+
+    values = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert bench.mean_stderr(values) == pytest.approx(mean_stderr(values))
+
+
+def test_docs_page_holds_the_table_rendered_from_the_kept_results_file():
+    """docs/lm_eval.md's downstream table is the rendering of the kept file, byte for byte
+    (``python benchmarks/downstream_table.py --docs`` regenerates it)."""
+    page = (ROOT / bench.DOCS_PAGE).read_text(encoding="utf-8")
+    section = bench.docs_section(ROOT)
+    assert section in page, "docs/lm_eval.md's downstream table is stale: run `python benchmarks/downstream_table.py --docs`"
+    data = json.loads((ROOT / bench.RESULTS_FILE).read_text())
+    assert list(data["models"])[:3] == ["original", "recipe", "window-only W320"]
+    from hf_rfa.integrations.lm_eval_tasks import TASKS
+
+    assert set(data["tasks"]) == set(TASKS), "the table covers every offline task"
+    for task, per in data["tasks"].items():
+        for model, r in per.items():
+            assert len(r["correct"]) == r["n"] == len(r["doc_ids"]), (task, model)
+            assert sum(r["correct"]) / r["n"] == pytest.approx(r["acc"]), (task, model)
