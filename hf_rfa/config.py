@@ -76,7 +76,7 @@ class RFAConfig:
     )
     memory_score: str = field(
         default="value_norm",
-        metadata={"help": f"one of {list(MEMORY_SCORES)} (used with memory > 0): how the exact memory ranks the keys older than the window — 'value_norm' the largest ||v||, 'feature_error' the keys whose value the feature state recalls worst (LoLA-style; needs a feature map other than 'none')"},
+        metadata={"help": f"one of {list(MEMORY_SCORES)} (used with memory > 0): how the exact memory ranks the keys older than the window — 'value_norm' the largest ||v||, 'feature_error' the keys whose value the feature state recalls worst (LoLA-style; needs a feature map other than 'none'), 'query_mass' the keys the queries of their exact window attended to most (selection by the query side; needs window > 0)"},
     )
 
     def __post_init__(self) -> None:
