@@ -7,7 +7,7 @@ Each variant switches the memory of the one loaded model (``hf_rfa.set_memory``)
 in the same run on held-out Wikipedia: the copy task at gaps 512 and 3,584 (``--draws`` draws),
 passkey at 1k / 2k / 4k with a natural filler (``--trials`` trials × 3 depths; every answer token,
 and the digits alone), perplexity at 4,096 (``--ppl-windows`` windows), each with its 95 %
-bootstrap interval; perplexity also as a paired ratio to the first variant. For the passkey's
+bootstrap interval; perplexity also as a paired ratio to the first variant (or ``--reference``). For the passkey's
 first answer token it records, per trial, the token the model put first and the probability it
 gave the right one (why does the first token fail?). One JSON line per variant.
 
@@ -48,6 +48,7 @@ p.add_argument("--lengths", default="1024,2048,4096")
 p.add_argument("--ppl-context", type=int, default=4096)
 p.add_argument("--ppl-windows", type=int, default=2)
 p.add_argument("--out", default=str(Path(__file__).with_name("result.jsonl")))
+p.add_argument("--reference", default=None, help="a variant already in --out whose perplexity windows the ratios pair with (default: this run's first variant)")
 a = p.parse_args()
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -78,6 +79,8 @@ def _hits_and_first_token(m, x, la, lead=0):
 
 long_range._passkey_hits = _hits_and_first_token
 ref_ppl = None
+if a.reference:  # the same windows of an earlier run of this script (the ratio is paired window by window)
+    ref_ppl = next(r[f"ppl@{a.ppl_context}"] for r in map(json.loads, open(a.out)) if r["variant"] == a.reference)
 for name in a.variants.split(","):
     score, by_layer = VARIANTS[name]
     hf_rfa.set_memory(model, a.memory, 64, score, per_layer if by_layer else None)
@@ -88,7 +91,7 @@ for name in a.variants.split(","):
         ppl = evaluation.perplexity(model, ids, a.ppl_context, a.ppl_context * a.ppl_windows, progress=False)
         row[f"ppl@{a.ppl_context}"] = {k: ppl[k] for k in ("perplexity", "ci95", "window_nll", "window_tokens")}
         ref_ppl = ref_ppl or ppl
-        row[f"ppl@{a.ppl_context}"]["ratio_to_first"] = {"ratio": ppl["perplexity"] / ref_ppl["perplexity"], "ci95": intervals.paired_ratio_ci(ppl, ref_ppl)}
+        row[f"ppl@{a.ppl_context}"]["ratio_to_reference"] = {"ratio": ppl["perplexity"] / ref_ppl["perplexity"], "ci95": intervals.paired_ratio_ci(ppl, ref_ppl)}
         for gap in (int(g) for g in a.gaps.split(",")):
             r = long_range.copy_task(model, ids, gap=gap, draws=a.draws, seed=0, progress=False)
             row[f"copy{gap}"] = {k: r[k] for k in ("second", "second_ci95", "first", "per_draw")}
