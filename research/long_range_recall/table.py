@@ -3,13 +3,16 @@
     python research/long_range_recall/table.py
 """
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
 
 from hf_rfa.recipes.intervals import fmt
 
-here = Path(__file__).parent
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+p.add_argument("--dir", default=str(Path(__file__).parent), help="the folder with result.jsonl and attention_mass.jsonl")
+here = Path(p.parse_args().dir)
 rows = [json.loads(line) for line in open(here / "result.jsonl")]
 print("| variant | ppl @4k | × default | copy @512 | copy @3,584 | passkey 1k / 2k / 4k (all tokens) | digits only | minutes |")
 print("|---|---|---|---|---|---|---|---|")
