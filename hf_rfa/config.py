@@ -70,9 +70,13 @@ class RFAConfig:
         default="rotated",
         metadata={"help": f"one of {list(FEATURE_INPUTS)}: what the feature part reads in a model with rotary position embeddings (Llama...): 'rotated' the q/k the softmax scores, 'unrotated' q/k before the rotary embedding (position-free features; the exact window and sinks keep the rotated q/k)"},
     )
+    memory_per_layer: list[int] | None = field(
+        default=None,
+        metadata={"help": "per-layer exact-memory sizes, entry i for layer i (overrides memory layer by layer; None: every converted layer keeps memory keys per kv head), e.g. budgets in proportion to each layer's attention beyond the window at the same total"},
+    )
     memory_score: str = field(
         default="value_norm",
-        metadata={"help": f"one of {list(MEMORY_SCORES)} (used with memory > 0): how the exact memory ranks the keys older than the window — 'value_norm' the largest ||v||, 'feature_error' the keys whose value the feature state recalls worst (LoLA-style; needs a feature map other than 'none')"},
+        metadata={"help": f"one of {list(MEMORY_SCORES)} (used with memory > 0): how the exact memory ranks the keys older than the window — 'value_norm' the largest ||v||, 'feature_error' the keys whose value the feature state recalls worst (LoLA-style; needs a feature map other than 'none'), 'query_mass' the keys the queries of their exact window attended to most (selection by the query side; needs window > 0)"},
     )
 
     def __post_init__(self) -> None:
@@ -96,8 +100,16 @@ class RFAConfig:
                 raise ValueError(f"decay > 0 does not combine with {', '.join(clash)} (gate=True is already a decay; 'none' has no feature state); use decay=0")
         if self.feature_input not in FEATURE_INPUTS:
             raise ValueError(f"feature_input must be one of {list(FEATURE_INPUTS)}, got {self.feature_input!r}")
+        if self.memory_per_layer is not None:
+            per = self.memory_per_layer
+            ok = isinstance(per, (list, tuple)) and 0 < len(per) <= _MAX_LAYER + 1 and all(isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= MAX_MEMORY for m in per)
+            if not ok:
+                raise ValueError(f"memory_per_layer must be None or a non-empty list of per-layer memory sizes in [0, {MAX_MEMORY}], got {str(per)[:80]}")
+            self.memory_per_layer = list(per)
         if self.memory_score not in MEMORY_SCORES:
             raise ValueError(f"memory_score must be one of {list(MEMORY_SCORES)}, got {self.memory_score!r}")
+        if self.memory_score == "query_mass" and self.window == 0 and self.any_memory:
+            raise ValueError("memory_score='query_mass' ranks keys by the attention their exact window gives them; it needs window > 0")
         if self.memory_score == "feature_error" and self.feature_map == "none":
             raise ValueError("memory_score='feature_error' needs a feature state to score keys against; feature_map='none' has none (use memory_score='value_norm')")
         if self.gate and self.feature_map != "rfa":
@@ -143,6 +155,20 @@ class RFAConfig:
         if unknown:
             raise ValueError(f"unknown RFAConfig fields {sorted(unknown)}; valid fields: {sorted(known)}")
         return cls(**d)
+
+    @property
+    def any_memory(self) -> bool:
+        """Some layer keeps an exact memory (``memory > 0`` or a positive ``memory_per_layer`` entry)."""
+        return self.memory > 0 or any(self.memory_per_layer or ())
+
+    def memory_of(self, layer_idx: int | None) -> int:
+        """The exact-memory size of layer ``layer_idx``: its ``memory_per_layer`` entry if given
+        (ValueError for a layer past the list's end), else ``memory``."""
+        if self.memory_per_layer is None or layer_idx is None:
+            return self.memory
+        if not 0 <= layer_idx < len(self.memory_per_layer):
+            raise ValueError(f"memory_per_layer has {len(self.memory_per_layer)} entries but layer {layer_idx} is converted: give one size per layer")
+        return self.memory_per_layer[layer_idx]
 
     def converts_layer(self, layer_idx: int) -> bool:
         return self.layers is None or layer_idx in self.layers

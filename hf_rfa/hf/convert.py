@@ -147,7 +147,7 @@ def build_layer(config: RFAConfig, layer_idx: int, num_heads: int, num_kv_heads:
     )
     if config.decay > 0:
         fm.enable_decay(config.decay)
-    return RFAAttention(fm, AttentionSpec.from_config(config), layer_idx=layer_idx)
+    return RFAAttention(fm, AttentionSpec.from_config(config, layer_idx), layer_idx=layer_idx)
 
 
 def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any) -> nn.Module:
@@ -188,9 +188,10 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
             f"{type(model).__name__}: layer {idx} ({name}) uses {reason}, which hf_rfa's attention does not "
             f"reproduce ({len(refused)} such layer(s)); refusing to convert rather than change the model's attention silently"
         )
-    if config.memory > 0 or config.decay > 0:
+    _check_memory_per_layer(config, [idx for _, _, idx in modules if config.converts_layer(idx)])
+    if config.any_memory or config.decay > 0:
         bidir = [idx for _, module, idx in modules if config.converts_layer(idx) and getattr(module, "is_causal", True) is False]
-        if bidir and config.memory > 0:
+        if bidir and config.any_memory:
             raise ValueError(f"memory={config.memory}: the exact memory needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use memory=0)")
         if bidir:
             raise ValueError(f"decay={config.decay:g}: a decay of the feature state needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use decay=0)")
@@ -225,7 +226,14 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
     return model
 
 
-def set_memory(model: nn.Module, memory: int, memory_every: int = 64, memory_score: str = "value_norm") -> nn.Module:
+def _check_memory_per_layer(config: RFAConfig, converted: list[int]) -> None:
+    """ValueError unless ``config.memory_per_layer`` (when given) has an entry for every converted layer."""
+    per = config.memory_per_layer
+    if per is not None and converted and max(converted) >= len(per):
+        raise ValueError(f"memory_per_layer has {len(per)} entries but the model converts layers up to {max(converted)}: give one size per layer")
+
+
+def set_memory(model: nn.Module, memory: int, memory_every: int = 64, memory_score: str = "value_norm", per_layer: list[int] | None = None) -> nn.Module:
     """Switch a converted model's exact global memory on, off (``memory=0``) or to other settings,
     in place (no parameters are involved: the trained feature maps and weights stay); returns it.
 
@@ -236,18 +244,22 @@ def set_memory(model: nn.Module, memory: int, memory_every: int = 64, memory_sco
     without memory, then given one for long-range recall::
 
         hf_rfa.set_memory(model, 128, memory_score="feature_error")
+
+    ``per_layer``: one memory size per layer (``RFAConfig.memory_per_layer``; it overrides
+    ``memory`` layer by layer), e.g. budgets in proportion to each layer's attention beyond the window.
     """
     old = rfa_config_of(model)
     if old is None:
         raise ValueError(f"{type(model).__name__} is not converted (no rfa_config): call hf_rfa.convert first")
-    config = RFAConfig.from_dict({**old.to_dict(), "memory": memory, "memory_every": memory_every, "memory_score": memory_score})
+    config = RFAConfig.from_dict({**old.to_dict(), "memory": memory, "memory_every": memory_every, "memory_score": memory_score, "memory_per_layer": per_layer})
     layers = [(idx, module) for _, module, idx in find_attention_modules(model) if hasattr(module, "rfa")]
+    _check_memory_per_layer(config, [idx for idx, _ in layers])
     bidir = [idx for idx, module in layers if getattr(module, "is_causal", True) is False]
-    if bidir and config.memory > 0:
+    if bidir and config.any_memory:
         raise ValueError(f"memory={config.memory}: the exact memory needs causal attention, but layer(s) {bidir} of {type(model).__name__} are bidirectional (use memory=0)")
     for module in model.modules():  # PEFT's modules_to_save copies too
         if isinstance(module, RFAAttention):
-            module.spec = module.spec.replace(memory=config.memory, memory_every=config.memory_every, memory_score=config.memory_score)
+            module.spec = module.spec.replace(memory=config.memory_of(module.layer_idx), memory_every=config.memory_every, memory_score=config.memory_score)
     setattr(model.config, CONFIG_ATTR, config.to_dict())
     logger.info("exact memory of %s: %d keys per kv head, re-chosen every %d positions, ranked by %s", type(model).__name__, config.memory, config.memory_every, config.memory_score)
     return model

@@ -186,9 +186,10 @@ def render_model_card(
         hybrid.append(f"exact softmax over a local window of {config.window} tokens")
     if config.sinks:
         hybrid.append(f"the first {config.sinks} tokens attended exactly (attention sinks)")
-    if config.memory:
-        chosen = "the keys whose value the feature state recalls worst" if config.memory_score == "feature_error" else "the keys with the largest value norm"
-        hybrid.append(f"an exact memory of at most {config.memory} older keys per key-value head ({chosen}, re-chosen every {config.memory_every} tokens)")
+    if config.any_memory:
+        chosen = {"feature_error": "the keys whose value the feature state recalls worst", "query_mass": "the keys their window's queries attended to most"}.get(config.memory_score, "the keys with the largest value norm")
+        size = f"at most {config.memory}" if config.memory_per_layer is None else f"per-layer sizes of {min(config.memory_per_layer)}–{max(config.memory_per_layer)}"
+        hybrid.append(f"an exact memory of {size} older keys per key-value head ({chosen}, re-chosen every {config.memory_every} tokens)")
     hybrid_text = (" combined with " + " and ".join(hybrid)) if hybrid else ""
     size = f" ({num_parameters / 1e6:.1f}M parameters)" if num_parameters else ""
     intro = (

@@ -133,7 +133,11 @@ def quadratic_kernel_attention(
     if memory > 0:
         if not causal:
             raise ValueError("memory > 0 needs causal attention (the exact memory is chosen over the past)")
-        scores_m = feature_error_scores(ks_f, v, feature_map, attention_mask, window, sinks, memory, memory_every) if memory_score == "feature_error" else None
+        scores_m = None
+        if memory_score == "feature_error":
+            scores_m = feature_error_scores(ks_f, v, feature_map, attention_mask, window, sinks, memory, memory_every)
+        elif memory_score == "query_mass":
+            scores_m = query_mass_scores(qs, ks, attention_mask, window, sinks)
         exact = exact | _expand_kv(memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq, scores_m), g)
     exact = exact & visible
     feat = visible & ~exact & (not null)
@@ -270,3 +274,32 @@ def feature_error_scores(
             score = torch.where(new, err, score)
     return score
 
+
+
+def query_mass_scores(qs: torch.Tensor, ks: torch.Tensor, attention_mask: torch.Tensor | None, window: int, sinks: int) -> torch.Tensor:
+    """The ``memory_score="query_mass"`` score of every key, by its definition: ``[B, Hkv, Nk]``.
+
+    Each query t's softmax over its exact keys (the window ``t − W < s ≤ t`` and the sinks, real
+    keys only), the probabilities it gives the keys of its window summed over the real queries
+    and over the query heads of each kv head, then ``log2`` rounded like ``value_norm``
+    (:func:`hf_rfa.ops.memory.scores.round_log2`). qs ``[B, H, Nq, D]`` / ks ``[B, Hkv, Nk, D]``
+    scaled by √scale; with Nq < Nk the missing first queries are zeros (as the op pads them).
+    The fast path (:func:`hf_rfa.ops.memory.scores.window_mass`) sums block by block from the
+    exact part's row sums and carries the sums of buffered keys across calls."""
+    b, h, nq, d = qs.shape
+    hkv, nk = ks.shape[1], ks.shape[2]
+    g = h // hkv
+    qd = torch.cat([qs.new_zeros(b, h, nk - nq, d), qs], dim=2).double()
+    t, s = _positions(nk, nk, qs.device)
+    km = key_mask_bool(attention_mask, b, nk, qs.device)
+    real = torch.ones(b, nk, dtype=torch.bool, device=qs.device) if km is None else km
+    in_window = (s <= t) & (s > t - window)
+    exact = in_window.view(1, 1, nk, nk)
+    if sinks > 0:
+        exact = exact | sink_mask(km, b, nk, sinks, qs.device).view(b, 1, 1, nk)
+    exact = exact & (s <= t).view(1, 1, nk, nk) & real.view(b, 1, 1, nk)
+    scores = qd @ _expand_kv(ks.double(), g).transpose(-1, -2)  # [B,H,Nk,Nk]
+    p = torch.softmax(scores.masked_fill(~exact, float("-inf")), dim=-1).nan_to_num(0.0)  # rows without exact keys: 0
+    p = p * (in_window.view(1, 1, nk, nk) & real.view(b, 1, nk, 1))
+    mass = p.sum(-2).view(b, hkv, g, nk).sum(2)
+    return round_log2(mass)

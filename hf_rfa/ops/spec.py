@@ -52,9 +52,13 @@ class AttentionSpec:
             raise ValueError(f"feature_input must be one of {list(FEATURE_INPUTS)}, got {self.feature_input!r}")
 
     @classmethod
-    def from_config(cls, config: Any) -> "AttentionSpec":
-        """The spec of an ``RFAConfig`` (its fields of the same names)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+    def from_config(cls, config: Any, layer_idx: int | None = None) -> "AttentionSpec":
+        """The spec of an ``RFAConfig`` (its fields of the same names) for layer ``layer_idx``
+        (its ``memory_per_layer`` entry when the config has one: ``RFAConfig.memory_of``)."""
+        values = {f.name: getattr(config, f.name) for f in fields(cls)}
+        if hasattr(config, "memory_of"):
+            values["memory"] = config.memory_of(layer_idx)
+        return cls(**values)
 
     def replace(self, **changes: Any) -> "AttentionSpec":
         """A copy with ``changes`` (validated again)."""

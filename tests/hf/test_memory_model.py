@@ -15,6 +15,8 @@ SETTINGS = {
     "favor+": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8),
     "hedgehog": dict(feature_map="hedgehog", num_features=16, window=3, sinks=0, memory=2, memory_every=5, chunk_size=4),
     "favor+feature_error": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8, memory_score="feature_error"),
+    "favor+query_mass": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8, memory_score="query_mass"),
+    "none+query_mass+per_layer": dict(feature_map="none", window=4, sinks=2, memory=3, memory_every=4, memory_score="query_mass", memory_per_layer=[3, 5]),
 }
 
 
@@ -34,7 +36,7 @@ def test_cached_decoding_matches_full_forward(family, setting):
     ids, mask = _batch()
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
-        plain = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**{**SETTINGS[setting], "memory": 0}))(ids, attention_mask=mask).logits
+        plain = hf_rfa.convert(tiny_model(family), hf_rfa.RFAConfig(**{**SETTINGS[setting], "memory": 0, "memory_per_layer": None}))(ids, attention_mask=mask).logits
         cache = hf_rfa.RFACache(model)
         outs, t, sizes = [], 0, []
         for step in (7, 5) + (1,) * (ids.shape[1] - 12):

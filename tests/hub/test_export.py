@@ -486,3 +486,5 @@ def test_model_card_describes_the_exact_memory():
     by_norm = render_model_card(hf_rfa.RFAConfig(**base, memory=32, memory_every=16), "LlamaForCausalLM", "AutoModelForCausalLM")
     assert "at most 32 older keys per key-value head (the keys with the largest value norm, re-chosen every 16 tokens)" in by_norm
     assert "exact memory" not in render_model_card(hf_rfa.RFAConfig(**base), "LlamaForCausalLM", "AutoModelForCausalLM").split("## Usage")[0]
+    per_layer = render_model_card(hf_rfa.RFAConfig(**base, memory=0, memory_per_layer=[0, 96, 512], memory_score="query_mass"), "LlamaForCausalLM", "AutoModelForCausalLM")
+    assert "an exact memory of per-layer sizes of 0–512 older keys per key-value head (the keys their window's queries attended to most" in per_layer

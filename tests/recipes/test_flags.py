@@ -61,7 +61,8 @@ def test_main_job_resolves_to_the_kept_run():
     cfg = config_from_args([*main_job.DEFAULT, *paths])
     new = cfg.to_dict()
     assert old["feature_map_options"] == {"hybrid_mix": True}
-    assert cfg.rfa_config() == RFAConfig(**{f.name: old[f.name] for f in fields(RFAConfig)})
+    defaults = RFAConfig().to_dict()  # fields added after the kept run keep their defaults
+    assert cfg.rfa_config() == RFAConfig(**{f.name: old.get(f.name, defaults[f.name]) for f in fields(RFAConfig)})
     differ = {k: (old[k], new.get(k, "<missing>")) for k in old if new.get(k, "<missing>") != old[k]}
     assert differ == {}
     assert (cfg.baselines, cfg.window_only_baseline, cfg.evaluates_window_only) == (False, True, True)

@@ -39,8 +39,11 @@ Scores (``memory_score``, :data:`MEMORY_SCORES`, :mod:`hf_rfa.ops.memory.scores`
 ``"feature_error"`` — the error with which the feature state recalls the key's value when the key
 is the query, measured once, against the state at the key's first refresh (before that refresh's
 keys are folded; :func:`feature_error`), as LoLA (arXiv 2505.23666) caches the keys the linear
-state represents worst. A key's score never changes after its first refresh, so "a key not chosen
-at its first refresh never will be" holds for both (twin: ``reference.memory_membership``).
+state represents worst — or ``"query_mass"`` — the attention the key received from the queries of
+its exact window (the softmax over window and sinks, summed over those queries and the query heads
+of its kv head; :func:`hf_rfa.ops.memory.scores.window_mass`; the state carries the buffered keys'
+partial sums, ``MemoryState.buf_mass``), complete when the key leaves the window. A key's score never changes after its first refresh, so "a key not chosen
+at its first refresh never will be" holds for every score (twin: ``reference.memory_membership``).
 
 Gated maps and decays (``RFAConfig(decay=H)``, RFA's gate): a feature key s weighs
 ``exp(G_t − G_s) (1 − g_s)`` for query t, G the cumulative log gate, as in the op without memory.

@@ -2,8 +2,9 @@
 
 A key's score is fixed at its first refresh and compared at a resolution of ``2**-SCORE_BITS`` in
 log2, so that the prefill and cached decoding break ties the same way (ties go to the older key):
-``"value_norm"`` (``log2 ‖v‖``) or ``"feature_error"`` (how badly the feature state recalls the
-key's value, LoLA-style).
+``"value_norm"`` (``log2 ‖v‖``), ``"feature_error"`` (how badly the feature state recalls the
+key's value, LoLA-style) or ``"query_mass"`` (how much attention the queries of its exact window
+gave the key: selection by the query side, :func:`window_mass`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,46 @@ def recall_error(linear: LinearState, phi: torch.Tensor, v: torch.Tensor) -> tor
         return round_log2(torch.linalg.vector_norm(v.detach().double() - pred, dim=-1))
 
 
+#: queries per block of :func:`window_mass` (bounds its ``[B, Hkv, G, C, C + W]`` scores)
+MASS_BLOCK = 64
+
+
+def window_mass(xqg: torch.Tensor, xk: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor], masks: tuple[torch.Tensor, torch.Tensor], window: int, first: int) -> torch.Tensor:
+    """The ``"query_mass"`` score's sums (query-side selection, after STILL's self-saliency,
+    arXiv 2602.02180): how much attention each key receives from the queries whose exact window
+    holds it, ``Σ_t Σ_h p_h(t, s)`` over the queries t with ``t − W < s ≤ t`` and the query heads h
+    of the key's kv head, ``p_h(t, s) = exp(q_t·k_s·scale) / Σ_{s' exact for t} exp(q_t·k_s'·scale)``
+    — the softmax of query t over its exact keys (window and sinks). A key's sum is complete
+    once it has left the window, i.e. at its first refresh, where it is compared as
+    ``log2(sum)`` rounded like :func:`value_norm` (:func:`round_log2`).
+
+    xqg ``[B, Hkv, G, n, D]`` the call's queries · √scale; xk ``[B, Hkv, L, D]`` the local keys ·
+    √scale (query i sits at local index ``first + i``); ``exact = (den, log_scale)`` ``[B, Hkv, G,
+    n]`` the exact part's row sums (``Σ exp(score − log_scale)``); ``masks = (query_ok [B, n],
+    key_ok [B, L])`` → the call's contributions ``[B, Hkv, L]`` float64 (detached; zeros with
+    ``window = 0``)."""
+    den, ls = exact
+    q_ok, k_ok = masks
+    b, hkv, g, n, _ = xqg.shape
+    out = torch.zeros(b, hkv, xk.shape[2], dtype=torch.float64, device=xk.device)
+    if window <= 0:
+        return out
+    with torch.no_grad():
+        for i0 in range(0, n, MASS_BLOCK):
+            i1 = min(n, i0 + MASS_BLOCK)
+            k0, k1 = max(0, first + i0 - window + 1), first + i1
+            t = torch.arange(first + i0, first + i1, device=xk.device).view(-1, 1)
+            s = torch.arange(k0, k1, device=xk.device).view(1, -1)
+            ok = ((s <= t) & (s > t - window)) & q_ok[:, None, None, i0:i1, None] & k_ok[:, None, None, None, k0:k1]
+            ok = ok & (den[..., i0:i1] > 0).unsqueeze(-1)  # [B,Hkv,G,C,K]
+            sc = xqg[:, :, :, i0:i1].detach() @ xk[:, :, None, k0:k1].detach().transpose(-1, -2)  # [B,Hkv,G,C,K]
+            p = torch.exp(sc - ls[..., i0:i1, None]) / den[..., i0:i1, None].clamp_min(1e-30)
+            out[:, :, k0:k1] += torch.where(ok, p, torch.zeros_like(p)).sum((2, 3)).double()
+    return out
+
+
 #: how the exact memory ranks its candidates (``memory_score``): the largest score is kept
-MEMORY_SCORES = ("value_norm", "feature_error")
+MEMORY_SCORES = ("value_norm", "feature_error", "query_mass")
 
 
-__all__ = ["MEMORY_SCORES", "SCORE_BITS", "feature_error", "recall_error", "round_log2", "value_norm"]
+__all__ = ["MASS_BLOCK", "MEMORY_SCORES", "SCORE_BITS", "feature_error", "recall_error", "round_log2", "value_norm", "window_mass"]

@@ -64,6 +64,9 @@ class MemoryState:
     mem_kf:   ``[B, Hkv, M, D]`` the memory keys as the feature part reads them (feature inputs,
               e.g. un-rotated; needed when a displaced memory key is folded), or None (the feature
               part reads the keys themselves); the base then keeps ``win_kf`` for the buffer.
+    buf_mass: ``[B, Hkv, Lb]`` float64, ``memory_score="query_mass"``: the attention each buffered
+              key has received so far from the queries of its window (:func:`window_mass`);
+              None before the first call and for the other scores.
     """
 
     base: DecodeState
@@ -74,6 +77,7 @@ class MemoryState:
     mem_ok: torch.Tensor
     mem_lg: torch.Tensor | None = None
     mem_kf: torch.Tensor | None = None
+    buf_mass: torch.Tensor | None = None
 
     @classmethod
     def empty(

@@ -16,7 +16,7 @@ from ..decode.state import DecodeState, exact_part, join_sinks
 from ..masks import NEG, exp_floor, sink_positions
 from ..partial import Partial, finalize, merge
 from ..recurrent import LinearState, decay
-from .scores import value_norm
+from .scores import round_log2, value_norm, window_mass
 from .state import MemoryCall, MemoryState
 
 
@@ -142,8 +142,9 @@ class Call:
     gated: bool
     cg: torch.Tensor | None  # [B,Hkv,L] cumulative log gate from the anchor (gated maps)
     key_lg: torch.Tensor | None  # [B,Hkv,L] log weight of each local key as of the anchor
-    norms: torch.Tensor | None  # [B,Hkv,L] value_norm scores (None: scored by feature_error)
+    norms: torch.Tensor | None  # [B,Hkv,L] value_norm / query_mass scores (None: scored by feature_error)
     exact: Partial | None  # window band + sinks of the n queries
+    mass: torch.Tensor | None = None  # [B,Hkv,L] float64 query_mass sums (window_mass), None for the other scores
 
 
 def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple) -> Call:
@@ -178,7 +179,6 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
         logg, log1mg = feature_map.log_gate(xkf)  # [B,Hkv,L]
         cg = torch.cumsum(logg * real[:, None, :].to(logg.dtype), dim=-1)  # decay from the anchor to j; padding never decays
         key_lg = log1mg - cg  # log weight of local key s as of the anchor
-    norms = None if settings.memory_score == "feature_error" else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
     xqg = xq.reshape(b, hkv, g, n, d)
 
     exact = None
@@ -192,8 +192,16 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
         else:
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
             exact = exact_part(xqg, xk, vv, real, (lb, pos0), window, (xs, vs, sink_pos, sink_exists) if sinks > 0 else None, chunk_size)
+    norms = None if settings.memory_score == "feature_error" else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
+    mass = None
+    if settings.memory_score == "query_mass":  # the buffer's sums so far plus this call's queries'
+        old = state.buf_mass if state.buf_mass is not None else torch.zeros(b, hkv, lb, dtype=torch.float64, device=dev)
+        mass = torch.cat([old, old.new_zeros(b, hkv, n)], dim=2)
+        if exact is not None:
+            mass = mass + window_mass(xqg, xk, (exact.den, exact.log_scale), (km, real), window, p0 - pos0)
+        norms = round_log2(mass).to(ct)
     return Call(b, h, n, hkv, g, ct, root, p0, pos0, (sink_k, sink_v, sink_pos, sink_exists), lk_raw, lv_raw, lkf_raw, real, feat,
-                 xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact)
+                 xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact, mass)
 
 
 def finish_call(state: MemoryState, c: Call, total: Partial, linear: LinearState, mem: dict[str, torch.Tensor], lo: int, km: torch.Tensor, eps: float) -> tuple[torch.Tensor, MemoryState]:
@@ -224,7 +232,8 @@ def finish_call(state: MemoryState, c: Call, total: Partial, linear: LinearState
         nonfinite=base.nonfinite,
         seen=c.p0 + c.n,
     )
-    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem["lg"], mem.get("kf"))
+    mass = c.mass[:, :, lo:] if c.mass is not None else None
+    return out, MemoryState(new_base, mem["k"], mem["v"], mem["pos"], mem["norm"], mem["ok"], mem["lg"], mem.get("kf"), mass)
 
 
 __all__ = ["Call", "exact_terms", "finish_call", "gather_slots", "map_features", "memory_part", "pending_part", "prepare_call", "select_memory"]

@@ -1,0 +1,45 @@
+"""The README's tables from result.jsonl (recall.py's rows) and attention_mass.jsonl.
+
+    python research/long_range_recall/table.py
+"""
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from hf_rfa.recipes.intervals import fmt
+
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+p.add_argument("--dir", default=str(Path(__file__).parent), help="the folder with result.jsonl and attention_mass.jsonl")
+here = Path(p.parse_args().dir)
+rows = [json.loads(line) for line in open(here / "result.jsonl")]
+print("| variant | ppl @4k | × default | copy @512 | copy @3,584 | passkey 1k / 2k / 4k (all tokens) | digits only | minutes |")
+print("|---|---|---|---|---|---|---|---|")
+for r in rows:
+    ppl = r["ppl@4096"]
+    ratio = ppl.get("ratio_to_reference") or ppl["ratio_to_first"]
+    pk = r["passkey"]
+    lens = sorted(pk["mean"], key=int)
+    acc = " / ".join(fmt(pk["mean"][n], pk["mean_ci95"][n], percent=True) for n in lens)
+    key = " / ".join(fmt(pk["key_mean"][n], pk["key_mean_ci95"][n], percent=True) for n in lens)
+    print(f"| {r['variant']} | {fmt(ppl['perplexity'], ppl['ci95'])} | {fmt(ratio['ratio'], ratio['ci95'], '.3f')} | "
+          f"{fmt(r['copy512']['second'], r['copy512']['second_ci95'])} | {fmt(r['copy3584']['second'], r['copy3584']['second_ci95'])} | {acc} | {key} | {r['minutes']} |")
+print()
+print("First answer token of the passkey trials (what the model put first, how often; p(right) median):")
+for r in rows:
+    firsts = r["first_token"]
+    got = Counter(repr(f["got"]) for f in firsts)
+    ps = sorted(f["p_right"] for f in firsts)
+    wrong_digits = sum(1 for f in firsts if not f["digits"])
+    only_first = sum(1 for f in firsts if f["digits"] and not f["all"])
+    print(f"- {r['variant']}: want {repr(firsts[0]['want'])}; got {dict(got.most_common(4))}; median p(right) {ps[len(ps) // 2]:.2f}; "
+          f"{only_first} of {len(firsts)} trials fail only at the first token, {wrong_digits} get a digit wrong")
+mass = [json.loads(line) for line in open(here / "attention_mass.jsonl")]
+total = sum(m["layer_mass"] for m in mass)
+print()
+print("| layers | share of the out-of-window mass | memory (proportional) |")
+print("|---|---|---|")
+for lo, hi in ((0, 2), (3, 8), (9, 11), (12, 19), (20, 29)):
+    part = [m for m in mass if lo <= m["layer"] <= hi]
+    print(f"| {lo}–{hi} | {sum(m['layer_mass'] for m in part) / total:.0%} | {', '.join(str(m['proportional_memory']) for m in part)} |")
