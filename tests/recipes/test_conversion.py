@@ -247,7 +247,7 @@ def test_report_regenerates_from_committed_runs(tmp_path, monkeypatch):
     # the published run's baseline is the same-memory window-only model after its own LoRA
     _, recall = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2-recall_v0.2.0.json"))
     assert report.baseline_variant(recall) == "window-only: window 64 + sinks 4 + memory 256 (value_norm), no features, after LoRA"
-    assert "```\nmake main\n```" in text
+    assert "```\nmake main" in text  # make main, or make main ARGS=... (display flags such as --no-progress)
     # reports without "baseline_variant": the last window-only row with the run's own window and sinks
     old = {"config": {"rfa": {"window": 64, "sinks": 4}}, "rows": [
         {"variant": "window-only: window 64 + sinks 4, no features, after LoRA"},
