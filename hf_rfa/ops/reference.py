@@ -275,7 +275,6 @@ def feature_error_scores(
     return score
 
 
-
 def query_mass_scores(qs: torch.Tensor, ks: torch.Tensor, attention_mask: torch.Tensor | None, window: int, sinks: int) -> torch.Tensor:
     """The ``memory_score="query_mass"`` score of every key, by its definition: ``[B, Hkv, Nk]``.
 

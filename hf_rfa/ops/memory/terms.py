@@ -192,7 +192,7 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
         else:
             xs, vs = (sink_k.to(ct) * root, sink_v.to(ct)) if sinks > 0 else (None, None)
             exact = exact_part(xqg, xk, vv, real, (lb, pos0), window, (xs, vs, sink_pos, sink_exists) if sinks > 0 else None, chunk_size)
-    norms = None if settings.memory_score == "feature_error" else value_norm(lv_raw).to(ct)  # [B,Hkv,L]
+    norms = value_norm(lv_raw).to(ct) if settings.memory_score == "value_norm" else None  # [B,Hkv,L]
     mass = None
     if settings.memory_score == "query_mass":  # the buffer's sums so far plus this call's queries'
         old = state.buf_mass if state.buf_mass is not None else torch.zeros(b, hkv, lb, dtype=torch.float64, device=dev)
