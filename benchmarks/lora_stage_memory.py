@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/lora_stage_memory.py                     # this checkout
     .venv/bin/python benchmarks/lora_stage_memory.py --src /path/to/other/checkout
+    .venv/bin/python benchmarks/lora_stage_memory.py --activation-checkpointing
 
 ``--src`` imports ``hf_rfa`` from another checkout instead (e.g. an older commit from ``git
 worktree add``), so two versions can be compared on one machine; the recipe (``train_step.RECIPES
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=4096, help="tokens per sequence (the main job's LoRA context: 4096)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer's activations in the backward (hf-rfa-convert --activation-checkpointing)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the frozen weights")
     ap.add_argument("--src", type=Path, default=None, help="a checkout whose hf_rfa is imported instead of the installed one")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.context < 2:
@@ -49,16 +52,22 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)  # PEFT's LoRA initialisation
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=getattr(torch, args.dtype))
     hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES["main"]))
+    if args.dtype != "float32":  # as the conversion does: low-precision frozen weights, float32 maps
+        from hf_rfa.recipes.conversion.devices import keep_trainable_float32
+
+        keep_trainable_float32(model)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(10, model.config.vocab_size, (1, args.context), generator=g), None) for _ in range(args.steps)]
     dtype = precision.resolve_autocast("auto", "cpu")
     t0 = time.perf_counter()
-    _, res = transfer.lora_finetune(model, iter(batches), tokens=args.steps * args.context, lr=1e-3, progress=False, autocast=dtype)
+    extra = {"activation_checkpointing": True} if args.activation_checkpointing else {}  # (an older --src may not take it)
+    _, res = transfer.lora_finetune(model, iter(batches), tokens=args.steps * args.context, lr=1e-3, progress=False, autocast=dtype, **extra)
     print(json.dumps({
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": res.losses,
         "seconds": time.perf_counter() - t0, "context": args.context, "steps": args.steps, "threads": args.threads,
+        "dtype": args.dtype, "activation_checkpointing": args.activation_checkpointing,
         "autocast": precision.dtype_name(dtype), "hf_rfa": os.path.dirname(hf_rfa.__file__),
     }))
 

@@ -29,6 +29,7 @@ TABLES = [
     (["--model", "SMOLLM2", "--device", "cpu", "--dtype", "bfloat16"], {}, "SmolLM2-135M-Instruct"),
     (["--model", LLAMA, "--device", "cuda", "--dtype", "bfloat16"], {}, "Llama-3-8B shapes"),
     (["--model", LLAMA, "--device", "cuda", "--dtype", "bfloat16", "--transfer-layerwise"], {}, "Llama-3-8B shapes"),
+    (["--model", LLAMA, "--device", "cuda", "--dtype", "bfloat16", "--transfer-layerwise", "--activation-checkpointing"], {}, "Llama-3-8B shapes"),
     (["--model", LLAMA, "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "8"], {"WORLD_SIZE": "8"}, "Llama-3-8B shapes"),
     (["--model", LLAMA, "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "8"], {"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true"}, "Llama-3-8B shapes"),
 ]

@@ -17,6 +17,7 @@ class TransferResult:
     losses: list[float] = field(default_factory=list)
     autocast: str | None = None  # "bf16" when the stage ran under autocast (precision.dtype_name)
     sharding: dict | None = None  # under FSDP: what this process stored while it trained (fsdp.storage)
+    activation_checkpointing: bool = False  # LoRA recomputed its decoder layers' activations in the backward
 
     def as_dict(self) -> dict:
         first = self.losses[0] if self.losses else None
@@ -26,6 +27,8 @@ class TransferResult:
             out["autocast"] = self.autocast
         if self.sharding is not None:
             out["fsdp"] = self.sharding
+        if self.activation_checkpointing:
+            out["activation_checkpointing"] = True
         return out
 
 

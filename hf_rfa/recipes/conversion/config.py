@@ -76,6 +76,7 @@ class ConversionConfig:
     device_map: str | None = field(default=None, metadata={"help": "auto: spread a teacher/student that does not fit one device over every visible device (transformers/Accelerate device_map); None: all on --device"})
     teacher_attn_implementation: str = field(default="sdpa", metadata={"help": "attention of the original model: sdpa, eager or flash_attention_2 (needs flash_attn and CUDA)"})
     transfer_layerwise: bool = field(default=False, metadata={"help": "attention transfer one decoder layer at a time: the teacher's q/k/v of that layer only are held, each layer trained on the whole transfer budget (activation memory of one layer; the same result as all layers at once)"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "LoRA: recompute each decoder layer's activations in the backward (transformers' activation checkpointing) instead of holding them all: LoRA's activations fall to each layer's input plus one layer's, for about one more forward pass of compute (the same loss and gradients)"})
     fsdp: bool = field(default=False, metadata={"help": "several processes: shard attention transfer and LoRA with FSDP2 (each process holds 1/N of the weights while they train; evaluation and export see the gathered model). Also on without this flag when the launcher says FSDP (accelerate launch with an FSDP config sets ACCELERATE_USE_FSDP)"})
     dry_run: bool = field(default=False, metadata={"help": "print the memory plan (weights, gradients, optimizer, activations, decode cache) from the model's config on the meta device and exit: nothing is loaded"})
     memory_check: bool = field(default=True, metadata={"help": "before loading, refuse a run whose memory plan does not fit the device (free GPU memory / available RAM)"})
@@ -119,8 +120,9 @@ class ConversionConfig:
 
         devices.check_dtype(self.dtype)
         devices.check_device_map(self.device_map)
-        if not isinstance(self.fsdp, bool):
-            raise ValueError(f"fsdp must be a bool, got {self.fsdp!r}")
+        for name in ("fsdp", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.fsdp and self.device_map is not None:
             raise ValueError("fsdp and device_map cannot be combined: FSDP shards the model over the processes, a device map over one process's devices")
         devices.check_attn_implementation(self.teacher_attn_implementation)

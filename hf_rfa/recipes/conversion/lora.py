@@ -68,6 +68,7 @@ def lora_finetune(
     progress: bool = True,
     train_feature_maps: bool = False,
     autocast: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
     converted model and a :class:`TransferResult`. An unconverted model (no ``rfa`` layer) trains
@@ -76,8 +77,10 @@ def lora_finetune(
     ``torch.bfloat16`` runs each forward under autocast (:mod:`.precision`; adapters and loss stay
     float32); None: float32. Feature maps stay frozen unless
     ``train_feature_maps`` (then their parameters, e.g. a ``decay``, train end to end with the
-    adapters: PEFT's ``modules_to_save`` copies, folded back by the merge). Causal LMs only
-    (labels = inputs)."""
+    adapters: PEFT's ``modules_to_save`` copies, folded back by the merge).
+    ``activation_checkpointing``: each decoder layer's activations are recomputed in the backward
+    (transformers' ``activation_checkpointing_enable``, non-reentrant) instead of held, for this
+    stage only. Causal LMs only (labels = inputs)."""
     from peft import get_peft_model
 
     from ..training.peft_utils import lora_config
@@ -87,20 +90,44 @@ def lora_finetune(
         raise ValueError(f"train_feature_maps must be a bool, got {train_feature_maps!r}")
     if train_feature_maps and not [p for rfa in rfa_layers(model).values() for p in rfa.parameters()]:
         raise ValueError("train_feature_maps=True, but the converted model's feature maps have no trainable parameters")
+    if not isinstance(activation_checkpointing, bool):
+        raise ValueError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
     peft_model = get_peft_model(model, lora_config(model, r=r, train_feature_maps=train_feature_maps))
     peft_model.train()
-    if distributed.fsdp_active():
-        with fsdp.sharded(peft_model) as work:
-            res = _train(work, batches, tokens, lr, max_seconds, progress, autocast, sharded=True)
-            res.sharding = fsdp.storage(work)
-    else:
-        res = _train(peft_model, batches, tokens, lr, max_seconds, progress, autocast)
+    with checkpointed_layers(model, activation_checkpointing):
+        if distributed.fsdp_active():
+            with fsdp.sharded(peft_model) as work:
+                res = _train(work, batches, tokens, lr, max_seconds, progress, autocast, sharded=True)
+                res.sharding = fsdp.storage(work)
+        else:
+            res = _train(peft_model, batches, tokens, lr, max_seconds, progress, autocast)
+    res.activation_checkpointing = activation_checkpointing
     merged = peft_model.merge_and_unload()
     merged.eval()
     for p in merged.parameters():
         p.requires_grad_(False)
     logger.info("LoRA: %d tokens, %d steps, %.1f min, loss %.3f -> %.3f", res.tokens, res.steps, res.seconds / 60, res.losses[0], res.losses[-1])
     return merged, res
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: nn.Module, on: bool = True):
+    """Within the block, ``model``'s decoder layers recompute their activations in the backward
+    (transformers' activation checkpointing, non-reentrant: the same values and gradients); the
+    model's previous setting is put back afterwards. ``on=False``: nothing changes. A model whose
+    class does not support it is refused (ValueError naming it)."""
+    if not on:
+        yield
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"activation_checkpointing: {type(model).__name__} does not support transformers' activation checkpointing; run without it")
+    was = bool(getattr(model, "is_activation_checkpointing", False))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        if not was:
+            model.activation_checkpointing_disable()
 
 
 @dataclass
@@ -195,4 +222,4 @@ def _train(
     return res
 
 
-__all__ = ["TRAIN_NAME", "lora_finetune", "register_train", "SavedWeights", "restore_weights", "target_weights"]
+__all__ = ["TRAIN_NAME", "checkpointed_layers", "lora_finetune", "register_train", "SavedWeights", "restore_weights", "target_weights"]

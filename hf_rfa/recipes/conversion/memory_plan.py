@@ -14,8 +14,10 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   feature maps in attention transfer, the LoRA adapters in the LoRA stage (with FSDP: 1/N);
 - **activations** per stage: attention transfer holds each layer's captured q, k, v and softmax
   output (all layers at once, or one with ``transfer_layerwise``) and one layer's training graph;
-  LoRA holds the model's saved activations for the backward and the float32 logits of the loss
-  (of one chunk of positions where :mod:`.lm_loss` computes it); evaluation one window's logits
+  LoRA holds the model's saved activations for the backward (with ``activation_checkpointing``:
+  every decoder layer's input and one layer's activations, recomputed in the backward) and the
+  float32 logits of the loss (of one chunk of positions where :mod:`.lm_loss` computes it);
+  evaluation one window's logits
   and one chunk's float32 log-softmax;
 - **decode cache**: the constant-size RFA state of the converted model next to the softmax KV
   cache at the longest evaluation context;
@@ -23,7 +25,8 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   in float32 one layer at a time (:func:`.devices.float32_compute`): the largest weight's copy;
 - **autocast copy**: float32 weights trained under bf16 autocast (``train_autocast``: CUDA, CPUs
   with bf16 matrix units) keep each matmul's bf16 weight for the backward: a bf16 copy of the
-  frozen weights in the LoRA stage; activations are counted at 4 bytes then (only the matmuls'
+  frozen weights in the LoRA stage (with ``activation_checkpointing`` one decoder layer's and the
+  output head's); activations are counted at 4 bytes then (only the matmuls'
   outputs are bf16), at 2 with bf16 / float16 weights;
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
   transformers); on CUDA, an allowance for the CUDA context.
@@ -221,7 +224,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     if p_lora and config_is_causal(config):
         out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=shard == 1 and supports_chunked_loss(model)), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
-            out.parts["lora"]["autocast copy"] = p_orig * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
+            held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
+            out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
     return out
@@ -262,7 +266,9 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False) -> dict[str, i
     per_layer = b * n * (6 * g["h"] + 2 * g["Hkv"] * g["D"] + 4 * g["I"]) * ab + b * g["H"] * n * (g["D"] + max(feat, 1)) * 4
     rows = min(n, LOSS_CHUNK) if chunked else n  # lm_loss: one chunk's logits at a time (the hidden states are counted per layer)
     logits = b * rows * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
-    parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": g["L"] * per_layer + logits}
+    # activation checkpointing: every layer's input is held, one layer's activations at a time (its recompute)
+    layers = g["L"] * b * n * g["h"] * ab + per_layer if cfg.activation_checkpointing else g["L"] * per_layer
+    parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": layers + logits}
     if cfg.evaluates_window_only and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
         parts["baseline copy"] = targets  # the window-only baseline's LoRA merges into the model; its target weights are kept to be put back
     return parts

@@ -175,7 +175,7 @@ def _baseline_lora(s: State):
     s.saved = target_weights(s.model)
     trained, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
+        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s), activation_checkpointing=cfg.activation_checkpointing,
     )
     s.model = trained  # the same module tree, its target weights merged
     return res
@@ -262,7 +262,7 @@ def train_lora(s: State) -> dict | None:
         return None
     s.model, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
-        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s),
+        max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s), activation_checkpointing=cfg.activation_checkpointing,
     )
     s.stages["lora"] = res.as_dict()
     return s.stages["lora"]
