@@ -68,7 +68,8 @@ def test_two_processes_with_and_without_fsdp_equal_one(tmp_path):
     autocast, where splitting a batch changes the rounding): one process, two processes (rows split,
     gradients all-reduced) and two processes under FSDP (the training stages sharded, gradients
     reduce-scattered) give feature-map, decay and (merged) LoRA weights within 1e-5, evaluation figures
-    equal where the weights are the same and within 1e-6 relative after training; under FSDP each process stored half of the parameters while it trained."""
+    equal where the weights are the same and within 1e-6 relative after training; under FSDP each process stored half of the parameters while it trained.
+    The FSDP run also takes --activation-checkpointing, and its LoRA loss is the chunked one."""
     from safetensors.torch import load_file
 
     (tmp_path / "cal.txt").write_text(_text(2000, 0))
@@ -79,10 +80,14 @@ def test_two_processes_with_and_without_fsdp_equal_one(tmp_path):
             "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
     _convert([*args, "--output", str(tmp_path / "one")], 1)
     _convert([*args, "--output", str(tmp_path / "two")], 2)
-    _convert([*args, "--output", str(tmp_path / "fsdp")], 2, fsdp=True)
+    _convert([*args, "--output", str(tmp_path / "fsdp"), "--activation-checkpointing"], 2, fsdp=True)
     one, two, fsdp = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two", "fsdp"))
     assert two["processes"] == fsdp["processes"] == 2 and "processes" not in one
     assert fsdp["fsdp"] is True and "fsdp" not in two
+    # every run's LoRA loss is the chunked one (lm_loss; under FSDP a forward method of the root unit);
+    # the FSDP run also recomputes its decoder layers (activation checkpointing): the same training
+    assert one["stages"]["lora"]["chunked_loss"] and two["stages"]["lora"]["chunked_loss"] and fsdp["stages"]["lora"]["chunked_loss"]
+    assert fsdp["stages"]["lora"]["activation_checkpointing"] and "activation_checkpointing" not in one["stages"]["lora"]
     w1 = load_file(tmp_path / "one" / "model.safetensors")
     assert any(".rfa." in k for k in w1)
     trained = [k for k in w1 if ".rfa." in k or "self_attn" in k]

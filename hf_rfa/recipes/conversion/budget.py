@@ -18,6 +18,7 @@ class TransferResult:
     autocast: str | None = None  # "bf16" when the stage ran under autocast (precision.dtype_name)
     sharding: dict | None = None  # under FSDP: what this process stored while it trained (fsdp.storage)
     activation_checkpointing: bool = False  # LoRA recomputed its decoder layers' activations in the backward
+    chunked_loss: bool = False  # LoRA's loss ran without the full logits (lm_loss)
 
     def as_dict(self) -> dict:
         first = self.losses[0] if self.losses else None
@@ -29,6 +30,8 @@ class TransferResult:
             out["fsdp"] = self.sharding
         if self.activation_checkpointing:
             out["activation_checkpointing"] = True
+        if self.chunked_loss:
+            out["chunked_loss"] = True
         return out
 
 

@@ -10,8 +10,10 @@ forward and again in the backward: the same loss and the same gradients (the mea
 predicted tokens, as ``ForCausalLMLoss``), a little more compute (the head runs twice).
 
 Only for architectures whose forward is exactly ``decoder → lm_head → ForCausalLMLoss``
-(:data:`PLAIN_HEADS`); anything else (logit soft-capping, scaled logits, a custom loss, a sharded
-FSDP model whose head is gathered by its root module) keeps the model's own loss.
+(:data:`PLAIN_HEADS`); anything else (logit soft-capping, scaled logits, a custom loss) keeps the
+model's own loss. Under FSDP the LoRA stage calls it as a registered forward method of the sharded
+root unit (:func:`.fsdp.forward_method`), so the root's own tensors — embeddings, final norm, output
+head — are gathered around it as around the model's forward.
 """
 
 from __future__ import annotations

@@ -185,7 +185,10 @@ def _train(
     base = peft_model.get_base_model()
     device = input_device(base)
     res.autocast = precision.dtype_name(autocast)
-    chunked = not sharded and supports_chunked_loss(base)
+    chunked = supports_chunked_loss(base)
+    if chunked and sharded:  # FSDP: the loss runs as a forward of the root unit, which gathers its head
+        fsdp.forward_method(peft_model, "chunked_lm_loss", lambda self, *a: causal_lm_loss(self.get_base_model(), *a))
+    res.chunked_loss = chunked
     try:
         with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
             for ids, mask in batches:
@@ -193,7 +196,9 @@ def _train(
                 ids, mask = to_device(ids, device), to_device(mask, device)
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
-                    if chunked:  # the same loss without the full logits in memory (lm_loss)
+                    if chunked and sharded:
+                        loss = peft_model.chunked_lm_loss(ids, mask, labels)
+                    elif chunked:  # the same loss without the full logits in memory (lm_loss)
                         loss = causal_lm_loss(base, ids, mask, labels)
                     else:
                         loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
