@@ -208,6 +208,26 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor, chunk: int = NLL_CHUN
     return out
 
 
+def next_token_nll(model: nn.Module, x: torch.Tensor, chunk: int = NLL_CHUNK) -> torch.Tensor:
+    """``-log p(x[:, t+1] | x[:, :t+1])`` (float32 ``[B, N-1]``) of a causal LM on token ids ``x
+    [B, N]``: :func:`token_nll` of the model's logits. For a model whose forward is ``decoder →
+    output head`` (:func:`~hf_rfa.recipes.conversion.lm_loss.supports_chunked_loss`) the head runs on
+    the decoder's hidden states ``chunk`` positions at a time, so the full ``[B, N, vocab]`` logits
+    never exist (at 8k tokens and Llama 3's 128k vocabulary: 2 GiB in bf16); the same values."""
+    from .conversion.lm_loss import supports_chunked_loss
+
+    if not supports_chunked_loss(model):
+        return token_nll(model(input_ids=x, use_cache=False).logits[:, :-1], x[:, 1:])
+    hidden = model.base_model(input_ids=x, use_cache=False).last_hidden_state[:, :-1]
+    head = model.get_output_embeddings()
+    targets = x[:, 1:].to(hidden.device)
+    out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    for i in range(0, hidden.shape[1], chunk):
+        logits = head(hidden[:, i : i + chunk])
+        out[:, i : i + chunk] = token_nll(logits, targets[:, i : i + chunk].to(logits.device), chunk).to(out.device)
+    return out
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module,
@@ -234,13 +254,10 @@ def perplexity(
     from .conversion import distributed
 
     model.eval()
-    kwargs = {"use_cache": False}
     local: dict[int, tuple[float, int]] = {}  # under several processes: this one's windows, gathered below
     for i in tqdm(distributed.window_indices(len(windows)), desc=f"{desc} @{context}", disable=not progress, leave=False):
         x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
-        logits = model(input_ids=x, **kwargs).logits
-        local[i] = (float(token_nll(logits[:, :-1], x[:, 1:]).double().sum()), x.shape[1] - 1)
-        del logits
+        local[i] = (float(next_token_nll(model, x).double().sum()), x.shape[1] - 1)
     from .intervals import perplexity_ci
 
     nll, n = 0.0, 0
@@ -337,6 +354,7 @@ def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], b
 
 
 __all__ = [
+    "next_token_nll",
     "token_nll",
     "pack_texts",
     "accuracy",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .evaluation import token_nll
+from .evaluation import next_token_nll
 from .intervals import bootstrap_ci, copy_ci
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def copy_task(
     first_nll, second_nll = [], []
     for i in tqdm(range(0, draws, batch_size), desc=f"copy gap {gap}", disable=not progress, leave=False):
         x = seqs[i : i + batch_size].to(_device(model))
-        nll = token_nll(model(input_ids=x, use_cache=False).logits[:, :-1], x[:, 1:])  # [b, L-1]: nll[t] predicts token t+1 (on the logits' device: the last of a device map)
+        nll = next_token_nll(model, x)  # [b, L-1]: nll[t] predicts token t+1 (on the head's device: the last of a device map)
         a = slice(skip - 1, passage - 1)  # predicting tokens skip..passage-1 of the first copy
         s0 = passage + gap
         b = slice(s0 + skip - 1, s0 + passage - 1)

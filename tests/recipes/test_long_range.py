@@ -149,6 +149,36 @@ def test_token_nll_equals_cross_entropy_in_float32_for_any_chunk():
         token_nll(logits, targets[:, 1:])
 
 
+@pytest.mark.parametrize("fam,rfa", [("llama", None), ("llama", "hybrid"), ("gpt2", "hybrid"), ("qwen2", None), ("mistral", "favor+")])
+def test_next_token_nll_never_builds_the_full_logits_and_equals_them(fam, rfa):
+    """A plain head (lm_loss.PLAIN_HEADS) runs chunk by chunk on the decoder's hidden states: the
+    model's forward (which would make [B, N, vocab] logits) is never called, and the values equal
+    token_nll of the forward's logits (float32: up to the rounding of a row-chunked matmul). A model
+    outside the plain heads keeps its forward."""
+    from hf_rfa.recipes.evaluation import next_token_nll, token_nll
+
+    m = tiny_model(fam).eval()
+    if rfa == "hybrid":
+        hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+    elif rfa:
+        hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map=rfa, num_features=8))
+    x = torch.randint(0, m.config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = token_nll(m(input_ids=x, use_cache=False).logits[:, :-1], x[:, 1:])
+        calls = []
+        hook = m.register_forward_pre_hook(lambda *a: calls.append(1))
+        for chunk in (1, 7, 256):
+            out = next_token_nll(m, x, chunk=chunk)
+            assert out.shape == (2, 28) and out.dtype == torch.float32
+            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        assert not calls
+        other = type("CustomHeadLM", (type(m),), {})  # a class outside PLAIN_HEADS: the model's own forward
+        m.__class__ = other
+        torch.testing.assert_close(next_token_nll(m, x), ref, rtol=0, atol=0)
+        assert len(calls) == 1
+        hook.remove()
+
+
 def test_passkey_reads_only_the_answers_logits_and_scores_as_the_full_logits_do():
     from hf_rfa.recipes import long_range
     from tiny_models import tiny_model

@@ -17,7 +17,7 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   LoRA holds the model's saved activations for the backward (with ``activation_checkpointing``:
   every decoder layer's input and one layer's activations, recomputed in the backward) and the
   float32 logits of the loss (of one chunk of positions where :mod:`.lm_loss` computes it);
-  evaluation one window's logits
+  evaluation one window's logits (one chunk's where the head is plain: :func:`~hf_rfa.recipes.evaluation.next_token_nll`)
   and one chunk's float32 log-softmax;
 - **decode cache**: the constant-size RFA state of the converted model next to the softmax KV
   cache at the longest evaluation context;
@@ -226,7 +226,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
             held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
             out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
-    out.parts["eval"] = {**base, **_eval(cfg, g, ab)}
+    out.parts["eval"] = {**base, **_eval(cfg, g, ab, chunked=supports_chunked_loss(model))}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
     return out
 
@@ -274,9 +274,10 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False) -> dict[str, i
     return parts
 
 
-def _eval(cfg, g, ab) -> dict[str, int]:
+def _eval(cfg, g, ab, chunked=False) -> dict[str, int]:
     n = max(cfg.eval_contexts)
-    logits = n * g["V"] * ab + min(n, NLL_CHUNK) * g["V"] * 2 * 4  # the logits, one chunk's float32 copy and log-softmax (evaluation.token_nll; passkey: the answer's logits only)
+    rows = min(n, NLL_CHUNK)  # evaluation.next_token_nll: a plain head runs one chunk of positions at a time
+    logits = (rows if chunked else n) * g["V"] * ab + rows * g["V"] * 2 * 4  # the logits (all or one chunk's), one chunk's float32 copy and log-softmax (passkey: the answer's logits only)
     layer = n * (g["h"] * 4 + g["I"] * 3) * ab + g["H"] * min(n, 1024) * n * 4
     return {"activations": logits + layer}
 
