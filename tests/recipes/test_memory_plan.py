@@ -226,3 +226,17 @@ def test_the_llama_3_8b_tables_of_the_gpu_page_are_the_current_plan():
     for block, (flags, env, name) in zip(blocks, mod.TABLES):
         if "cuda" in flags:
             assert block == mod.plan_markdown(flags, env, name), name
+
+
+def test_casting_a_checkpoint_on_the_cpu_plans_its_mapped_file(tiny_llama):
+    """Loading a float32 checkpoint as bf16 on the CPU maps the file while each tensor is cast (a
+    --quick SmolLM2 run with activation checkpointing peaked there, 1.23 GiB): a load stage with the
+    checkpoint's bytes next to the cast weights. Loaded in its own dtype, or onto a GPU (the plan
+    counts device memory), there is no such stage."""
+    bf16 = memory_plan.plan(_cfg(tiny_llama, dtype="bfloat16"), runtime_bytes=0)
+    frozen = bf16.counts["frozen"]
+    assert bf16.parts["load"]["checkpoint (mapped)"] == 4 * frozen
+    assert bf16.parts["load"]["weights"] == bf16.parts["eval"]["weights"]
+    assert "load" not in memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0).parts
+    assert "load" not in memory_plan.plan(_cfg(tiny_llama, dtype="bfloat16", device="cuda", dry_run=True), runtime_bytes=0).parts
+    assert list(bf16.parts)[0] == "load" and "| part | load |" in bf16.markdown()

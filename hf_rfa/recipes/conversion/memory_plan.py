@@ -28,6 +28,10 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   frozen weights in the LoRA stage (with ``activation_checkpointing`` one decoder layer's and the
   output head's); activations are counted at 4 bytes then (only the matmuls'
   outputs are bf16), at 2 with bf16 / float16 weights;
+- **load** (CPU, weights cast from the checkpoint's dtype to another): the checkpoint's file is
+  memory-mapped while each tensor is cast, and its touched pages count in the resident memory
+  next to the cast weights (**checkpoint (mapped)**); a checkpoint loaded in its own dtype is
+  mapped and used as it is (no copy);
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
   transformers); on CUDA, an allowance for the CUDA context.
 
@@ -55,7 +59,7 @@ MIB = 1024**2
 #: CUDA context and allocator slack of one process, bytes (an allowance, not a measurement)
 CUDA_CONTEXT_BYTES = 600 * MIB
 #: the stages of the table, in order
-STAGES = ("transfer", "lora", "eval")
+STAGES = ("load", "transfer", "lora", "eval")
 
 
 class PlanDoesNotFit(ValueError):
@@ -227,8 +231,20 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
             held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
             out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab, chunked=supports_chunked_loss(model))}
+    stored = _checkpoint_dtype(config)
+    if device.type == "cpu" and stored != wdtype:  # cast while loading: the checkpoint's file pages are mapped meanwhile
+        out.parts = {"load": {**base, "checkpoint (mapped)": p_orig * (torch.finfo(stored).bits // 8)}, **out.parts}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
     return out
+
+
+def _checkpoint_dtype(config) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in, from its config (``dtype``, formerly
+    ``torch_dtype``; float32 when it names none)."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
 
 
 def _gathered(model: nn.Module, total: int, wb: int) -> int:
