@@ -55,8 +55,10 @@ def test_checkpointed_lora_trains_the_same_weights_and_recomputes_each_layer(fam
     for k in sp:
         assert torch.allclose(sc[k], sp[k], rtol=1e-5, atol=1e-6), k
     assert res_c.as_dict()["activation_checkpointing"] is True and "activation_checkpointing" not in res_p.as_dict()
-    # switched off again: evaluation and export see the model as it was
+    # switched off again: evaluation and export see the model as it was (no input-grad hook either)
     assert not ckpt.is_activation_checkpointing
+    x = torch.randint(2, VOCAB, (1, 8))
+    assert not ckpt.get_input_embeddings()(x).requires_grad
 
 
 def test_checkpointed_lora_under_bf16_autocast_tracks_the_plain_one():

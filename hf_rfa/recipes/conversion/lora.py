@@ -122,12 +122,15 @@ def checkpointed_layers(model: nn.Module, on: bool = True):
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"activation_checkpointing: {type(model).__name__} does not support transformers' activation checkpointing; run without it")
     was = bool(getattr(model, "is_activation_checkpointing", False))
+    hooked = bool(getattr(model, "_require_grads_hooks", None))
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     try:
         yield
     finally:
         if not was:
             model.activation_checkpointing_disable()
+            if not hooked:  # (enabling also made the input embeddings' output require grad)
+                model.disable_input_require_grads()
 
 
 @dataclass
