@@ -9,7 +9,8 @@ passkey at 1k / 2k / 4k with a natural filler (``--trials`` trials × 3 depths; 
 and the digits alone), perplexity at 4,096 (``--ppl-windows`` windows), each with its 95 %
 bootstrap interval; perplexity also as a paired ratio to the first variant (or ``--reference``). For the passkey's
 first answer token it records, per trial, the token the model put first and the probability it
-gave the right one (why does the first token fail?). One JSON line per variant.
+gave the right one (why does the first token fail?). One JSON line per variant; ``--label`` names
+the row of one variant of another model (e.g. one trained with the memory on).
 
     NT=2 python research/long_range_recall/recall.py --model out/smollm2-135m-rfa \\
         --per-layer research/long_range_recall/attention_mass.jsonl
@@ -49,7 +50,10 @@ p.add_argument("--ppl-context", type=int, default=4096)
 p.add_argument("--ppl-windows", type=int, default=2)
 p.add_argument("--out", default=str(Path(__file__).with_name("result.jsonl")))
 p.add_argument("--reference", default=None, help="a variant already in --out whose perplexity windows the ratios pair with (default: this run's first variant)")
+p.add_argument("--label", default=None, help="the row's name in --out instead of the variant's (one variant only), e.g. for another model's row")
 a = p.parse_args()
+if a.label and "," in a.variants:
+    p.error("--label names one row: give one variant")
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -86,7 +90,7 @@ for name in a.variants.split(","):
     hf_rfa.set_memory(model, a.memory, 64, score, per_layer if by_layer else None)
     t0 = time.time()
     FIRST.clear()
-    row = {"variant": name, "memory_score": score, "memory": a.memory, "memory_per_layer": per_layer if by_layer else None}
+    row = {"variant": a.label or name, "model": Path(a.model).name, "memory_score": score, "memory": a.memory, "memory_per_layer": per_layer if by_layer else None}
     with torch.no_grad():
         ppl = evaluation.perplexity(model, ids, a.ppl_context, a.ppl_context * a.ppl_windows, progress=False)
         row[f"ppl@{a.ppl_context}"] = {k: ppl[k] for k in ("perplexity", "ci95", "window_nll", "window_tokens")}
