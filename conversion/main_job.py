@@ -8,7 +8,9 @@
    start) — trains the map by attention transfer on 131,072 train tokens at context 1024 (four
    optimiser steps per sequence: its last 256 queries, then the 256 before them, and so on down to
    its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 32,768 tokens at context
-   4096 (token budgets: the 30-min limits are only safety limits that fail the run);
+   4096 (token budgets: the 30-min limits are only safety limits that fail the run), with activation
+   checkpointing (``--activation-checkpointing``: each decoder layer recomputed in LoRA's backward;
+   the same training, about half the LoRA stage's memory for 1.14× its time);
 3. does the same for the **window-only baseline** (``--window-only-baseline``; ``feature_map="none"``: the
    same window and sinks, every other key dropped, its own LoRA with the same budget), the strongest
    trivial baseline;
@@ -53,6 +55,7 @@ DEFAULT = [
     "--preset", "recall", "--window-only-baseline", "--transfer-minutes", "30", "--lora-minutes", "30", "--no-evaluate-before-transfer",
     "--eval-contexts", "1024", "4096", "8192", "--eval-tokens", "4096", "--error-tokens", "1024", "--eval-twin-max", "0",
     "--copy-gaps", "512", "3584", "--copy-draws", "2", "--passkey-lengths", "1024", "--passkey-trials", "4",
+    "--activation-checkpointing",
 ]
 QUICK = [
     "--preset", "favor+", "--num-features", "128", "--window", "64", "--sinks", "4", "--baselines", "--no-random-hybrid",
