@@ -224,7 +224,7 @@ def next_token_nll(model: nn.Module, x: torch.Tensor, chunk: int = NLL_CHUNK) ->
     out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
     for i in range(0, hidden.shape[1], chunk):
         logits = head(hidden[:, i : i + chunk])
-        out[:, i : i + chunk] = token_nll(logits, targets[:, i : i + chunk].to(logits.device), chunk).to(out.device)
+        out[:, i : i + chunk] = token_nll(logits, targets[:, i : i + chunk], chunk).to(out.device)
     return out
 
 

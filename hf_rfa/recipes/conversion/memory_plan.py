@@ -213,6 +213,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     feat = first.feature_map.feature_dim if cfg.rfa.feature_map != "none" else 0
     g = _dims(config)
     shard = processes if sharding == "fsdp" else 1
+    chunked = supports_chunked_loss(model)  # lm_loss (LoRA) and evaluation.next_token_nll: one chunk of logits at a time
     weights = p_orig * wb + p_rfa * 4
     runtime = runtime_bytes if runtime_bytes is not None else (CUDA_CONTEXT_BYTES if device.type == "cuda" else rss_now())
     b = max(1, math.ceil(cfg.batch_size / processes))
@@ -226,11 +227,11 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     if p_train and cfg.transfer_tokens > 0:
         out.parts["transfer"] = {**train, **_sharded(_transfer(cfg, g, b, n, ab, feat, p_train, len(layers)), shard)}
     if p_lora and config_is_causal(config):
-        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=supports_chunked_loss(model)), shard)}
+        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=chunked), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
             held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
             out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
-    out.parts["eval"] = {**base, **_eval(cfg, g, ab, chunked=supports_chunked_loss(model))}
+    out.parts["eval"] = {**base, **_eval(cfg, g, ab, chunked=chunked)}
     stored = _checkpoint_dtype(config)
     if device.type == "cpu" and stored != wdtype:  # cast while loading: the checkpoint's file pages are mapped meanwhile
         out.parts = {"load": {**base, "checkpoint (mapped)": p_orig * (torch.finfo(stored).bits // 8)}, **out.parts}
