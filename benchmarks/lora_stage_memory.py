@@ -4,11 +4,15 @@
     .venv/bin/python benchmarks/lora_stage_memory.py                     # this checkout
     .venv/bin/python benchmarks/lora_stage_memory.py --src /path/to/other/checkout
     .venv/bin/python benchmarks/lora_stage_memory.py --activation-checkpointing
+    .venv/bin/python benchmarks/lora_stage_memory.py --activation-checkpointing --malloc-mmap-threshold 0
 
 ``--src`` imports ``hf_rfa`` from another checkout instead (e.g. an older commit from ``git
 worktree add``), so two versions can be compared on one machine; the recipe (``train_step.RECIPES
 ["main"]``) and the seeded token ids are the same for both, and so are the losses (printed). One JSON
 line: peak RSS of the process (``resource.getrusage``), the losses, seconds, which ``hf_rfa``.
+``--malloc-mmap-threshold`` is glibc's threshold as ``hf-rfa-convert`` sets it on the CPU (4 MiB;
+0: glibc's own, which keeps freed blocks of up to 32 MiB resident: see
+``hf_rfa.recipes.conversion.host_memory``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer's activations in the backward (hf-rfa-convert --activation-checkpointing)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the frozen weights")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=4, help="MiB; glibc's mmap threshold as the conversion sets it on the CPU (0: glibc's default)")
     ap.add_argument("--src", type=Path, default=None, help="a checkout whose hf_rfa is imported instead of the installed one")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.context < 2:
@@ -51,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     from train_step import RECIPES
 
     torch.set_num_threads(args.threads)
+    if args.malloc_mmap_threshold:
+        from hf_rfa.recipes.conversion.host_memory import map_large_blocks  # (an older --src may lack it)
+
+        map_large_blocks(args.malloc_mmap_threshold)
     torch.manual_seed(0)  # PEFT's LoRA initialisation
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=getattr(torch, args.dtype))
     hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES["main"]))
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": res.losses,
         "seconds": time.perf_counter() - t0, "context": args.context, "steps": args.steps, "threads": args.threads,
         "dtype": args.dtype, "activation_checkpointing": args.activation_checkpointing,
+        "malloc_mmap_threshold_mib": args.malloc_mmap_threshold,
         "autocast": precision.dtype_name(dtype), "hf_rfa": os.path.dirname(hf_rfa.__file__),
     }))
 

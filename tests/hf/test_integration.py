@@ -246,7 +246,7 @@ def test_gradient_checkpointing_gives_same_gradients(family):
     for gc in (False, True):
         m = copy.deepcopy(model).train()
         if gc:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(0)  # same dropout draws (checkpointing preserves the RNG state on recompute)
         m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})

@@ -213,7 +213,7 @@ def test_gradient_checkpointing_under_autocast_equals_plain():
     for gc in (False, True):
         m = copy.deepcopy(model).train()
         if gc:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
         loss.backward()

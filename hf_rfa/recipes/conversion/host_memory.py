@@ -8,6 +8,17 @@ conversion in bf16, 0.3–0.5 GiB of free heap between stages). :func:`release_f
 glibc to give back the free pages (``malloc_trim(0)``; a few milliseconds); the conversion calls
 it between stages and evaluations, so the resident memory follows what the memory plan counts
 (``--dry-run``). Elsewhere (macOS, Windows, musl) it does nothing.
+
+Inside a stage, trimming does not help: glibc serves a block by a memory map of its own only above
+a threshold that it raises to the size of every mapped block freed (up to 32 MiB), so after the
+first few MiB-sized tensors are freed, later ones come from the heap, and a freed block that a
+later allocation pins stays resident. Training at long context frees blocks of several MiB in
+every decoder layer between longer-lived ones: on SmolLM2-135M's LoRA step at 4,096 tokens with
+activation checkpointing, the resident memory after the forward was 2.37 GiB where the tensors it
+needs take about 0.65. :func:`map_large_blocks` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``;
+4 MiB by default, ``--malloc-mmap-threshold``): each larger block is unmapped when freed, and the
+same step measured 0.84 GiB. The cost is system time: a fresh map's pages are faulted in (zeroed)
+on first touch.
 """
 
 from __future__ import annotations
@@ -39,6 +50,40 @@ def _malloc_trim():
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+#: glibc's ``mallopt`` parameter ``M_MMAP_THRESHOLD`` (malloc.h)
+_M_MMAP_THRESHOLD = -3
+#: the largest threshold glibc accepts on 64-bit systems (``HEAP_MAX_SIZE / 2``), MiB
+MAX_MMAP_THRESHOLD_MIB = 32
+#: the environment variable by which a user sets glibc's threshold before the process starts
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+@functools.lru_cache(maxsize=1)
+def _mallopt():
+    """glibc's ``mallopt`` (None where the C library has none)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def map_large_blocks(mib: int) -> bool:
+    """From now on, serve every C-heap block of ``mib`` MiB or more by a memory map of its own,
+    returned to the operating system when freed (glibc ``mallopt(M_MMAP_THRESHOLD)``; this also
+    stops glibc raising the threshold by itself; see the module docstring). Whether it was set:
+    False for ``mib=0`` (glibc's default kept), where :data:`MMAP_THRESHOLD_ENV` is set (the
+    user's choice stands) and where the C library is not glibc."""
+    if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= MAX_MMAP_THRESHOLD_MIB:
+        raise ValueError(f"malloc_mmap_threshold must be an int MiB in [0, {MAX_MMAP_THRESHOLD_MIB}] (0: glibc's default), got {mib!r}")
+    if mib == 0 or MMAP_THRESHOLD_ENV in os.environ:
+        return False
+    fn = _mallopt()
+    return bool(fn(_M_MMAP_THRESHOLD, mib * 1024**2)) if fn is not None else False
 
 
 def release_free_memory() -> bool:
@@ -79,4 +124,4 @@ def measure_peak_rss(interval: float = 0.02):
         out[0] = max(best[0], rss_now())
 
 
-__all__ = ["measure_peak_rss", "release_free_memory", "rss_now"]
+__all__ = ["map_large_blocks", "measure_peak_rss", "release_free_memory", "rss_now"]

@@ -30,6 +30,7 @@ import torch
 from ... import output_dir
 from . import calibration, checks, distributed, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
 from .config import ConversionConfig
+from .devices import default_device
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER, kind_of, load_model, resolve_checkpoint
 from .stages import run_stages
 from .state import State, rows_markdown
@@ -134,12 +135,14 @@ def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
         planned = check_before_loading(cfg)  # refuses at once a run that would not fit the device
     procs = distributed.processes()
     device = cfg.device if cfg.device is not None or procs.device is None else str(procs.device)  # one device per process
+    mapped = _map_large_blocks(cfg, device)
     with measure_peak_rss() as load_peak:
         model, tok, kind = load_model(
             cfg.model, cfg.torch_dtype, device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
         )
     report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
     memory = report["memory"] = {"peak_rss_bytes": {"load": load_peak[0]} if load_peak[0] is not None else {}}
+    memory["malloc_mmap_threshold_mib"] = cfg.malloc_mmap_threshold if mapped else None
     if planned is not None:  # the plan next to what each stage measured
         memory["plan_bytes"] = {stage: planned.stage_total(stage) for stage in planned.parts}
     warnings = checks.check_model(cfg, model, kind)
@@ -157,6 +160,21 @@ def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
     (tmp / "RESULTS.md").write_text(rows_markdown(report["rows"]) + "\n", encoding="utf-8")
     (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     return report
+
+
+def _map_large_blocks(cfg: ConversionConfig, device: str | None) -> bool:
+    """On the CPU, fix glibc's threshold for mapping large blocks (``cfg.malloc_mmap_threshold``,
+    :func:`.host_memory.map_large_blocks`) before anything is loaded; whether it was set."""
+    from .host_memory import MMAP_THRESHOLD_ENV, map_large_blocks
+
+    if (default_device() if device in (None, "auto") else device).split(":")[0] != "cpu":
+        return False
+    if map_large_blocks(cfg.malloc_mmap_threshold):
+        logger.info("C-heap blocks of %d MiB or more are mapped on their own and returned when freed (--malloc-mmap-threshold)", cfg.malloc_mmap_threshold)
+        return True
+    if cfg.malloc_mmap_threshold and MMAP_THRESHOLD_ENV in os.environ:
+        logger.info("%s is set: glibc's mmap threshold is left as the environment sets it", MMAP_THRESHOLD_ENV)
+    return False
 
 
 def _export(s: State, tmp: Path, plot: bool) -> None:

@@ -234,7 +234,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
     if model_args.lora_r:
         model = apply_lora(model, model_args, data_args.task)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers >= 5.25 names it activation checkpointing (the old name warns)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     owner = _unwrapped_config_owner(model)
     rfa_cfg = rfa_config_of(owner)
     interval = rfa_cfg.redraw_interval if rfa_cfg else 0

@@ -1,0 +1,90 @@
+"""glibc's mmap threshold on the CPU (host_memory.map_large_blocks, --malloc-mmap-threshold)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_rfa.recipes.conversion import host_memory, pipeline
+from hf_rfa.recipes.conversion.config import ConversionConfig
+
+# a mapped 16 MiB block freed (glibc raises its threshold to 16 MiB), then a 16 MiB block, a live
+# 1 MiB block above it, and the 16 MiB block freed: the resident growth it leaves, in bytes
+_PINNED_BLOCK = """
+import ctypes, json, sys
+from hf_rfa.recipes.conversion.host_memory import map_large_blocks, rss_now
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def block(n):
+    b = libc.malloc(n)
+    ctypes.memset(b, 1, n)  # touched: resident
+    return b
+was_set = map_large_blocks(int(sys.argv[1]))
+libc.free(block(16 << 20))
+before = rss_now()
+big = block(16 << 20)
+pin = block(1 << 20)
+libc.free(big)
+print(json.dumps({"set": was_set, "growth": rss_now() - before}))
+"""
+
+
+def _glibc() -> bool:
+    try:
+        return os.path.exists("/proc/self/statm") and hasattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "mallopt")
+    except OSError:
+        return False
+
+
+def _pinned_growth(mib: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != host_memory.MMAP_THRESHOLD_ENV}
+    out = subprocess.run([sys.executable, "-c", _PINNED_BLOCK, str(mib)], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc on Linux: mallopt and /proc")
+def test_a_freed_large_block_leaves_the_resident_set_only_with_the_fixed_threshold():
+    default = _pinned_growth(0)
+    fixed = _pinned_growth(4)
+    assert default["set"] is False and fixed["set"] is True
+    assert default["growth"] > 12 * 2**20, default  # glibc's own threshold: the freed block stays resident
+    assert fixed["growth"] < 4 * 2**20, fixed  # mapped on its own: unmapped when freed (the 1 MiB pin stays)
+
+
+@pytest.mark.parametrize("bad", [-1, 33, 2.0, True, "4", None])
+def test_bad_thresholds_are_refused_with_the_allowed_range(bad):
+    with pytest.raises(ValueError, match=r"malloc_mmap_threshold must be an int MiB in \[0, 32\]"):
+        host_memory.map_large_blocks(bad)
+    with pytest.raises(ValueError, match=r"malloc_mmap_threshold must be an int MiB in \[0, 32\]"):
+        ConversionConfig(model="m", malloc_mmap_threshold=bad)
+
+
+def test_zero_and_the_users_environment_leave_glibc_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: lambda *a: calls.append(a) or 1)
+    assert host_memory.map_large_blocks(0) is False
+    monkeypatch.setenv(host_memory.MMAP_THRESHOLD_ENV, "65536")
+    assert host_memory.map_large_blocks(4) is False
+    assert calls == []
+    monkeypatch.delenv(host_memory.MMAP_THRESHOLD_ENV)
+    assert host_memory.map_large_blocks(4) is True
+    assert calls == [(-3, 4 * 2**20)]
+
+
+def test_the_conversion_sets_it_on_the_cpu_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "map_large_blocks", lambda mib: calls.append(mib) or True)
+    cfg = ConversionConfig(model="m", malloc_mmap_threshold=8)
+    assert pipeline._map_large_blocks(cfg, "cpu") is True
+    assert pipeline._map_large_blocks(cfg, "cuda:0") is False
+    monkeypatch.setattr(pipeline, "default_device", lambda: "cpu")
+    assert pipeline._map_large_blocks(cfg, None) is True
+    assert pipeline._map_large_blocks(cfg, "auto") is True
+    assert calls == [8, 8, 8]
