@@ -118,6 +118,13 @@ def write_run_file(output: str, path: str, command: str) -> None:
         f.write(json.dumps(report, indent=2) + "\n")
 
 
+def wrote_report(output: str, since: float) -> bool:
+    """Whether ``output/report.json`` was written at or after ``since`` (a ``--dry-run`` writes none,
+    and an earlier run's report must not be kept as this one's)."""
+    path = os.path.join(output, "report.json")
+    return os.path.exists(path) and os.path.getmtime(path) >= since
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few-minute run")
@@ -130,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
 
     convert.main((QUICK if a.quick else DEFAULT) + asset_args(a.output) + rest)
     run_file = a.run_file if a.run_file is not None else ("" if a.quick else run_file_name())
-    if run_file:
+    if run_file and not wrote_report(a.output, start):
+        logging.getLogger("main_job").info("no run file: this run wrote no report to %s", a.output)
+    elif run_file:
         given = argv if argv is not None else sys.argv[1:]
         write_run_file(a.output, run_file, "make main" if not given else "python conversion/main_job.py " + shlex.join(given))
         logging.getLogger("main_job").info("run file: %s", run_file)

@@ -273,6 +273,10 @@ def test_main_job_run_file_is_portable(tmp_path):
     main_job.write_run_file(str(out), str(tmp_path / "runs" / "r.json"), "make main")
     assert json.loads((tmp_path / "runs" / "r.json").read_text()) == {"model": "~/m", "command": "make main"}
     assert main_job.run_file_name().endswith(os.path.join("conversion", "results", "runs", f"smollm2-recall_v{hf_rfa.__version__}.json"))
+    # a run that wrote no report (--dry-run) keeps no run file: an earlier run's report is not this one's
+    written = (out / "report.json").stat().st_mtime
+    assert main_job.wrote_report(str(out), written) and not main_job.wrote_report(str(out), written + 1)
+    assert not main_job.wrote_report(str(tmp_path / "nowhere"), 0)
 
 
 def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_dir, tmp_path):
