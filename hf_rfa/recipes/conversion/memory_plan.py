@@ -26,8 +26,9 @@ read or allocated), converts it there to count the feature-map tensors, and adds
 - **autocast copy**: float32 weights trained under bf16 autocast (``train_autocast``: CUDA, CPUs
   with bf16 matrix units) keep each matmul's bf16 weight for the backward: a bf16 copy of the
   frozen weights in the LoRA stage (with ``activation_checkpointing`` one decoder layer's and the
-  output head's); activations are counted at 4 bytes then (only the matmuls'
-  outputs are bf16), at 2 with bf16 / float16 weights;
+  output head's); LoRA's activations are counted tensor by tensor in the dtype each is saved in
+  (:func:`_lora_layer`: the norms' inputs in float32, the matmuls' outputs in bf16), the other
+  stages' at 4 bytes then, at 2 with bf16 / float16 weights;
 - **load** (CPU, weights cast from the checkpoint's dtype to another): the checkpoint's file is
   memory-mapped while each tensor is cast, and its touched pages count in the resident memory
   next to the cast weights (**checkpoint (mapped)**); a checkpoint loaded in its own dtype is
@@ -227,7 +228,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     if p_train and cfg.transfer_tokens > 0:
         out.parts["transfer"] = {**train, **_sharded(_transfer(cfg, g, b, n, ab, feat, p_train, len(layers)), shard)}
     if p_lora and config_is_causal(config):
-        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=chunked), shard)}
+        mb = torch.finfo(autocast).bits // 8 if autocast is not None else wb  # the matmuls' outputs
+        out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=chunked, mb=mb), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
             held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
             out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
@@ -279,8 +281,23 @@ def _transfer(cfg, g, b, n, ab, feat, p_train, n_layers) -> dict[str, int]:
     return {"gradients": p_train * 4, "optimizer": 2 * p_train * 4, "captures": held * per_layer, "activations": graph + teacher}
 
 
-def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False) -> dict[str, int]:
-    per_layer = b * n * (6 * g["h"] + 2 * g["Hkv"] * g["D"] + 4 * g["I"]) * ab + b * g["H"] * n * (g["D"] + max(feat, 1)) * 4
+def _lora_layer(cfg, g, b, n, mb, feat) -> int:
+    """The bytes one decoder layer saves for LoRA's backward, by tensor (counted as unique storages
+    by saved-tensor hooks on SmolLM2's LoRA forward, float32 and under bf16 autocast, both within 2%
+    of this): 16 bytes per hidden unit (the two norms' float32 inputs, and the projections' inputs:
+    two more in float32 or four low-precision casts), the MLP's three intermediates and the q, k, v
+    the attention op keeps, in the matmuls' output dtype (``mb`` bytes), the rotary cos/sin, and
+    the feature scan's state per 512-token block (:mod:`hf_rfa.ops.feature.recompute`); without
+    ``checkpoint_blocks`` the op's autograd forms keep each query head's features as well."""
+    per_token = 16 * g["h"] + 3 * g["I"] * mb + (g["H"] + 2 * g["Hkv"]) * g["D"] * mb + 2 * g["D"] * 4
+    states = math.ceil(n / 512) * g["Hkv"] * feat * (g["D"] + 1) * 4
+    if not cfg.rfa.checkpoint_blocks:
+        per_token += g["H"] * max(feat, 1) * 4
+    return b * (n * per_token + states)
+
+
+def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False, mb=4) -> dict[str, int]:
+    per_layer = _lora_layer(cfg, g, b, n, mb, feat)
     rows = min(n, LOSS_CHUNK) if chunked else n  # lm_loss: one chunk's logits at a time (the hidden states are counted per layer)
     logits = b * rows * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
     # activation checkpointing: every layer's input is held, one layer's activations at a time (its recompute)
