@@ -1,5 +1,6 @@
 """benchmarks/grid_table.py: the side-by-side table of three models' evaluation grids, its paired
-ratios and goal lines follow from the numbers, and the kept commands reproduce the kept settings."""
+ratios and goal lines follow from the numbers, the kept commands reproduce the kept settings, and
+docs/conversion.md holds the table rendered from the kept results file."""
 
 import importlib.util
 import json
@@ -132,3 +133,16 @@ def test_collect_keeps_portable_commands_that_reproduce_the_settings(tmp_path):
     with pytest.raises(ValueError, match="not the grid of the flags"):
         bench.collect(specs, flags.replace("--draws 4", "--draws 8"), str(tmp_path / "other.json"))
 
+
+def test_docs_page_holds_the_table_rendered_from_the_kept_results_file():
+    """docs/conversion.md's grid table is the rendering of the kept file, byte for byte
+    (``python benchmarks/grid_table.py --docs`` regenerates it), and every kept command runs the
+    settings its result holds."""
+    page = (ROOT / bench.DOCS_PAGE).read_text(encoding="utf-8")
+    assert bench.docs_section(ROOT) in page, "docs/conversion.md's grid table is stale: run `python benchmarks/grid_table.py --docs`"
+    data = json.loads((ROOT / bench.RESULTS_FILE).read_text())
+    assert list(data["models"]) == ["original", "recipe", "window-only W320"]
+    for m in data["models"].values():
+        argv = shlex.split(m["command"])
+        assert argv[:3] == ["hf-rfa-evaluate", "--model", m["model"]] and argv[-2] == "--output"
+        assert bench.grid_of_flags(shlex.join(argv[3:-2])) == m["result"]["grid"]
