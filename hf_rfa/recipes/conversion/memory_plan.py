@@ -284,7 +284,8 @@ def _transfer(cfg, g, b, n, ab, feat, p_train, n_layers) -> dict[str, int]:
 def _lora_layer(cfg, g, b, n, mb, feat) -> int:
     """The bytes one decoder layer saves for LoRA's backward, by tensor (counted as unique storages
     by saved-tensor hooks on SmolLM2's LoRA forward, float32 and under bf16 autocast, both within 2%
-    of this): 16 bytes per hidden unit (the two norms' float32 inputs, and the projections' inputs:
+    of this; tiny Llama, Qwen2 and Gemma layers within 10%; GPT-2's composite GELU saves about a
+    quarter more): 16 bytes per hidden unit (the two norms' float32 inputs, and the projections' inputs:
     two more in float32 or four low-precision casts), the MLP's three intermediates and the q, k, v
     the attention op keeps, in the matmuls' output dtype (``mb`` bytes), the rotary cos/sin, and
     the feature scan's state per 512-token block (:mod:`hf_rfa.ops.feature.recompute`); without
