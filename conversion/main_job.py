@@ -125,6 +125,14 @@ def wrote_report(output: str, since: float) -> bool:
     return os.path.exists(path) and os.path.getmtime(path) >= since
 
 
+def run_command(given: list[str]) -> str:
+    """The command a run file names: ``make main [ARGS=...]`` under make (``MAKELEVEL`` set), else
+    the script with ``given``."""
+    if os.environ.get("MAKELEVEL"):
+        return "make main" + (f" ARGS={shlex.quote(shlex.join(given))}" if given else "")
+    return shlex.join(["python", "conversion/main_job.py", *given])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few-minute run")
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("main_job").info("no run file: this run wrote no report to %s", a.output)
     elif run_file:
         given = argv if argv is not None else sys.argv[1:]
-        write_run_file(a.output, run_file, "make main" if not given else "python conversion/main_job.py " + shlex.join(given))
+        write_run_file(a.output, run_file, run_command(given))
         logging.getLogger("main_job").info("run file: %s", run_file)
     import torch
 

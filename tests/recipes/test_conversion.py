@@ -279,6 +279,16 @@ def test_main_job_run_file_is_portable(tmp_path):
     assert not main_job.wrote_report(str(tmp_path / "nowhere"), 0)
 
 
+def test_main_job_run_file_names_the_command_that_ran(monkeypatch):
+    main_job = _script("main_job")
+    monkeypatch.setenv("MAKELEVEL", "1")
+    assert main_job.run_command([]) == "make main"
+    assert main_job.run_command(["--no-progress"]) == "make main ARGS=--no-progress"
+    assert main_job.run_command(["--no-progress", "--dtype", "bfloat16"]) == "make main ARGS='--no-progress --dtype bfloat16'"
+    monkeypatch.delenv("MAKELEVEL")
+    assert main_job.run_command(["--quick"]) == "python conversion/main_job.py --quick"
+
+
 def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_dir, tmp_path):
     """Every hybrid conversion reports window-only (same window/sinks, its own LoRA with the same
     token budget) next to the feature rows, and the copy task for every variant."""
