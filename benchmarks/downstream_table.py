@@ -48,13 +48,13 @@ def is_manyshot(task: str) -> bool:
 
 
 # --------------------------------------------------------------------------- collect
-def _portable(s: str, aliases: dict[str, str] | None = None) -> str:
+def _portable(s: str, aliases: dict[str, str] | None = None, home_as: str = "$HOME") -> str:
     """``s`` with each ``aliases`` key written as its value (e.g. a checkout's output folder as
-    ``out/...``) and the home folder as ``$HOME``: a kept command names no folder of this machine."""
+    ``out/...``) and the home folder as ``home_as``: a kept command names no folder of this machine."""
     for old, new in (aliases or {}).items():
         s = s.replace(old.rstrip("/"), new)
     home = os.path.expanduser("~").rstrip("/")
-    return s.replace(home + "/", "$HOME/") if home else s
+    return s.replace(home + "/", home_as + "/") if home else s
 
 
 _SHELL_SAFE = re.compile(r"[\w@%+=:,./$-]+")
@@ -237,12 +237,12 @@ def docs_section(root: str | os.PathLike = ROOT) -> str:
     return f"{BEGIN}\n\n{render(data)}\n\n{END}"
 
 
-def replace_section(page: str, section: str) -> str:
-    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by ``section``."""
-    i, j = page.find(BEGIN), page.find(END)
+def replace_section(page: str, section: str, begin: str = BEGIN, end: str = END, page_name: str = DOCS_PAGE) -> str:
+    """``page`` with the text from ``begin`` to ``end`` (markers included) replaced by ``section``."""
+    i, j = page.find(begin), page.find(end)
     if i < 0 or j < i:
-        raise ValueError(f"{DOCS_PAGE} has no downstream-table markers")
-    return page[:i] + section + page[j + len(END):]
+        raise ValueError(f"{page_name} has no {begin!r} ... {end!r} markers")
+    return page[:i] + section + page[j + len(end):]
 
 
 def main(argv: list[str] | None = None) -> None:

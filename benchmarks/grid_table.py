@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import downstream_table  # noqa: E402 - the sibling script's cpu_name, _portable and replace_section
+from downstream_table import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the kept results file and the page section it renders into (relative to the repository root)
@@ -55,22 +57,7 @@ ORIGINAL_TOLERANCE = 1.05
 def _portable(s: str, aliases: dict[str, str] | None = None) -> str:
     """``s`` with each ``aliases`` key written as its value and the home folder as ``~``: a kept
     command names no folder of this machine."""
-    for old, new in (aliases or {}).items():
-        s = s.replace(old.rstrip("/"), new)
-    home = os.path.expanduser("~").rstrip("/")
-    return s.replace(home + "/", "~/") if home else s
-
-
-def cpu_name() -> str:
-    """``lscpu``'s model name (``platform.processor()`` where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
+    return downstream_table._portable(s, aliases, home_as="~")
 
 
 def grid_of_flags(flags: str) -> dict:
@@ -248,10 +235,7 @@ def docs_section(root: str | os.PathLike = ROOT) -> str:
 
 def replace_section(page: str, section: str) -> str:
     """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by ``section``."""
-    i, j = page.find(BEGIN), page.find(END)
-    if i < 0 or j < i:
-        raise ValueError(f"{DOCS_PAGE} has no grid-table markers")
-    return page[:i] + section + page[j + len(END):]
+    return downstream_table.replace_section(page, section, BEGIN, END, DOCS_PAGE)
 
 
 def main(argv: list[str] | None = None) -> None:

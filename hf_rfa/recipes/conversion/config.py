@@ -126,11 +126,9 @@ class ConversionConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.fsdp and self.device_map is not None:
             raise ValueError("fsdp and device_map cannot be combined: FSDP shards the model over the processes, a device map over one process's devices")
-        from .host_memory import MAX_MMAP_THRESHOLD_MIB
+        from .host_memory import check_mmap_threshold
 
-        v = self.malloc_mmap_threshold
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_MMAP_THRESHOLD_MIB:
-            raise ValueError(f"malloc_mmap_threshold must be an int MiB in [0, {MAX_MMAP_THRESHOLD_MIB}] (0: glibc's default), got {v!r}")
+        check_mmap_threshold(self.malloc_mmap_threshold)
         devices.check_attn_implementation(self.teacher_attn_implementation)
         if self.device is not None:
             devices.check_device(self.device, available=not self.dry_run)

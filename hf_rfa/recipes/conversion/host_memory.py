@@ -40,16 +40,21 @@ def rss_now() -> int:
         return 0
 
 
+def _libc_function(name: str, argtypes: list, restype):
+    """The C library's function ``name`` with its types set (None where the C library has none:
+    not glibc)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
     """glibc's ``malloc_trim`` (None where the C library has none)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    return _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 #: glibc's ``mallopt`` parameter ``M_MMAP_THRESHOLD`` (malloc.h)
@@ -63,13 +68,14 @@ MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 @functools.lru_cache(maxsize=1)
 def _mallopt():
     """glibc's ``mallopt`` (None where the C library has none)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallopt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+    return _libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+
+
+def check_mmap_threshold(mib: int) -> int:
+    """``mib`` if it is a threshold :func:`map_large_blocks` takes, else a one-line ValueError."""
+    if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= MAX_MMAP_THRESHOLD_MIB:
+        raise ValueError(f"malloc_mmap_threshold must be an int MiB in [0, {MAX_MMAP_THRESHOLD_MIB}] (0: glibc's default), got {mib!r}")
+    return mib
 
 
 def map_large_blocks(mib: int) -> bool:
@@ -78,8 +84,7 @@ def map_large_blocks(mib: int) -> bool:
     stops glibc raising the threshold by itself; see the module docstring). Whether it was set:
     False for ``mib=0`` (glibc's default kept), where :data:`MMAP_THRESHOLD_ENV` is set (the
     user's choice stands) and where the C library is not glibc."""
-    if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= MAX_MMAP_THRESHOLD_MIB:
-        raise ValueError(f"malloc_mmap_threshold must be an int MiB in [0, {MAX_MMAP_THRESHOLD_MIB}] (0: glibc's default), got {mib!r}")
+    check_mmap_threshold(mib)
     if mib == 0 or MMAP_THRESHOLD_ENV in os.environ:
         return False
     fn = _mallopt()
@@ -124,4 +129,4 @@ def measure_peak_rss(interval: float = 0.02):
         out[0] = max(best[0], rss_now())
 
 
-__all__ = ["map_large_blocks", "measure_peak_rss", "release_free_memory", "rss_now"]
+__all__ = ["check_mmap_threshold", "map_large_blocks", "measure_peak_rss", "release_free_memory", "rss_now"]
