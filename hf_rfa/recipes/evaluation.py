@@ -146,19 +146,11 @@ def _labelled(ds, spec: str) -> tuple[list[str], list[int] | None]:
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
-    """Token ids ``[N]`` (long) of a long text, no special tokens added."""
-    # "sequence longer than the maximum" is expected here: silence only the tokenizer loggers (not
-    # transformers' global verbosity, which hf_rfa's own logger follows: that would drop its INFO)
-    quiet = [logging.getLogger(f"transformers.{m}") for m in ("tokenization_utils_base", "tokenization_utils_tokenizers", "tokenization_python")]
-    old = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.ERROR)
-    try:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    finally:
-        for lg, lvl in zip(quiet, old):
-            lg.setLevel(lvl)
-    return torch.tensor(ids, dtype=torch.long)
+    """Token ids ``[N]`` (long) of a long text, no special tokens added (tokenised in checked
+    pieces, the ids of the whole text: :func:`hf_rfa.recipes.tokenizing.token_ids`)."""
+    from .tokenizing import token_ids
+
+    return token_ids(tokenizer, text)
 
 
 def token_windows(ids: torch.Tensor, length: int, count: int | None = None) -> list[torch.Tensor]:

@@ -38,3 +38,25 @@ def test_only_plain_heads_use_it():
     assert not supports_chunked_loss(tiny_model("bert"))
     with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
         causal_lm_loss(tiny_model("llama"), *batch("llama")[:1], None, batch("llama")[0], chunk=0)
+
+
+def test_default_chunk_keeps_each_chunks_float32_logits_within_the_budget(monkeypatch):
+    """Without ``chunk``, positions per chunk come from the head's vocabulary and the batch
+    (``loss_chunk``): with a budget of 7 positions' logits for batch 1, a batch of 2 runs 3
+    positions at a time — the head is called ceil(22 / 3) = 8 times, and the loss is the model's."""
+    from hf_rfa.recipes.conversion import lm_loss
+
+    model = tiny_model("llama").eval()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    assert lm_loss.loss_chunk(49152) == 85 and lm_loss.loss_chunk(128256) == 32 and lm_loss.loss_chunk(10**9) == 1
+    monkeypatch.setattr(lm_loss, "LOSS_CHUNK_BYTES", 7 * 4 * vocab)
+    assert lm_loss.loss_chunk(vocab, 2) == 3
+    ids, mask = batch("llama", n=23, b=2)
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
+    loss = causal_lm_loss(model, ids, mask, labels)
+    handle.remove()
+    assert calls == [(2, 3, calls[0][2])] * 7 + [(2, 1, calls[0][2])]
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0)

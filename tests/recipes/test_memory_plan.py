@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -300,15 +301,24 @@ def test_the_llama_3_8b_tables_of_the_gpu_page_are_the_current_plan():
             assert block == mod.plan_markdown(flags, env, name), name
 
 
-def test_casting_a_checkpoint_on_the_cpu_plans_its_mapped_file(tiny_llama):
-    """Loading a float32 checkpoint as bf16 on the CPU maps the file while each tensor is cast (a
-    --quick SmolLM2 run with activation checkpointing peaked there, 1.23 GiB): a load stage with the
-    checkpoint's bytes next to the cast weights. Loaded in its own dtype, or onto a GPU (the plan
-    counts device memory), there is no such stage."""
+def test_casting_a_checkpoint_on_the_cpu_plans_what_is_read_at_once(tiny_llama, tmp_path):
+    """Loading a float32 checkpoint as bf16 on the CPU: from a local safetensors folder the tensors
+    are read and cast a few at a time (:func:`.loading.read_state_dict`), so the load stage holds
+    the largest few in float32 next to the cast weights; from a checkpoint whose files are not a
+    local safetensors folder, the whole file, mapped. Loaded in its own dtype, or onto a GPU (the
+    plan counts device memory), there is no such stage."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import GLOBAL_WORKERS
+
     bf16 = memory_plan.plan(_cfg(tiny_llama, dtype="bfloat16"), runtime_bytes=0)
-    frozen = bf16.counts["frozen"]
-    assert bf16.parts["load"]["checkpoint (mapped)"] == 4 * frozen
+    with safe_open(os.path.join(tiny_llama, "model.safetensors"), framework="pt") as h:
+        sizes = sorted((math.prod(h.get_slice(k).get_shape()) for k in h.keys()), reverse=True)
+    assert bf16.parts["load"]["checkpoint (read)"] == 4 * sum(sizes[:GLOBAL_WORKERS])
     assert bf16.parts["load"]["weights"] == bf16.parts["eval"]["weights"]
     assert "load" not in memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0).parts
     assert "load" not in memory_plan.plan(_cfg(tiny_llama, dtype="bfloat16", device="cuda", dry_run=True), runtime_bytes=0).parts
     assert list(bf16.parts)[0] == "load" and "| part | load |" in bf16.markdown()
+    config_only = tmp_path / "config.json"  # (a plan from a config alone: its checkpoint is mapped when loaded)
+    config_only.write_text(open(os.path.join(tiny_llama, "config.json")).read())
+    mapped = memory_plan.plan(_cfg(str(config_only), dtype="bfloat16"), runtime_bytes=0)
+    assert mapped.parts["load"]["checkpoint (mapped)"] == 4 * mapped.counts["frozen"]

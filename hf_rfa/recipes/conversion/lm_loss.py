@@ -5,7 +5,7 @@ float32 and take their log-softmax for the loss; with the graph kept for the bac
 several float32 copies of ``B·N·vocab`` (SmolLM2's 49k vocabulary at a 4,096-token LoRA context:
 0.8 GiB each; Llama 3's 128k: 2.1 GiB each), the largest activation of a LoRA step. Here the
 decoder's hidden states go through the output head and the cross-entropy ``chunk`` positions at a
-time, each chunk under activation checkpointing, so only one chunk's logits exist at once, in the
+time (:func:`loss_chunk`: 16 MiB of float32 logits), each chunk under activation checkpointing, so only one chunk's logits exist at once, in the
 forward and again in the backward: the same loss and the same gradients (the mean over the
 predicted tokens, as ``ForCausalLMLoss``), a little more compute (the head runs twice).
 
@@ -24,8 +24,16 @@ from torch.utils.checkpoint import checkpoint
 
 #: causal LMs whose forward is ``lm_head(decoder(...).last_hidden_state)`` and the stock loss
 PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"})
-#: positions per chunk of the output head and the loss
-LOSS_CHUNK = 512
+#: bytes of float32 logits per chunk of the output head and the loss (SmolLM2's 49k vocabulary: 85
+#: positions of one sequence; Llama 3's 128k: 32). On the quick SmolLM2 conversion (256-token
+#: sequences) the LoRA stage's peak fell by 0.11 GiB against 512-position chunks.
+LOSS_CHUNK_BYTES = 16 * 2**20
+
+
+def loss_chunk(vocab: int, batch: int = 1) -> int:
+    """Positions per chunk: as many as keep one chunk's float32 logits (``batch × positions ×
+    vocab``) within :data:`LOSS_CHUNK_BYTES`, at least one."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab) * max(1, batch)))
 
 
 def supports_chunked_loss(lm: nn.Module) -> bool:
@@ -42,19 +50,21 @@ def _chunk_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> t
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
 
 
-def causal_lm_loss(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor, chunk: int = LOSS_CHUNK) -> torch.Tensor:
+def causal_lm_loss(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """``lm(input_ids=ids, attention_mask=mask, labels=labels).loss`` for a model of
     :data:`PLAIN_HEADS` (check with :func:`supports_chunked_loss`), with the output head and the
-    loss run ``chunk`` positions at a time under activation checkpointing."""
-    if chunk < 1:
+    loss run ``chunk`` positions at a time under activation checkpointing (default:
+    :func:`loss_chunk` of the head's vocabulary and the batch)."""
+    if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    head = lm.get_output_embeddings()
+    chunk = chunk or loss_chunk(head.weight.shape[0], ids.shape[0])
     hidden = lm.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
     target = labels[:, 1:].to(hidden.device)
-    head = lm.get_output_embeddings()
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.shape[1], chunk):
         total = total + checkpoint(_chunk_nll, head, hidden[:, i : i + chunk], target[:, i : i + chunk], use_reentrant=False)
     return total / (target != -100).sum()
 
 
-__all__ = ["LOSS_CHUNK", "PLAIN_HEADS", "causal_lm_loss", "supports_chunked_loss"]
+__all__ = ["LOSS_CHUNK_BYTES", "PLAIN_HEADS", "causal_lm_loss", "loss_chunk", "supports_chunked_loss"]

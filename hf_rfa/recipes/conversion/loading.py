@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,9 @@ def load_model(
     if getattr(cfg, CONFIG_ATTR, None):
         model = from_pretrained(path, **kwargs)
     else:
-        model = cls.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+        model = _load_casting(cls, path, cfg, attn_implementation, kwargs)
+        if model is None:
+            model = cls.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
     if devices.needs_float32_compute(devices.input_device(model), dtype):
         devices.float32_compute(model)  # bf16 storage, float32 matmuls (no bf16 matrix hardware here)
     tok = AutoTokenizer.from_pretrained(path)
@@ -89,4 +92,65 @@ def load_model(
     return model.eval(), tok, kind
 
 
-__all__ = ["CAUSAL_LM", "CLASSIFIER", "ENCODER", "kind_of", "load_model", "resolve_checkpoint"]
+#: safetensors' dtype names of the torch dtypes a conversion loads in
+_STORED = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a local checkpoint folder (sharded: those its index names); [] for a
+    Hub id, a folder without safetensors, or one with other weight files only."""
+    if not os.path.isdir(path):
+        return []
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    single = os.path.join(path, "model.safetensors")
+    return [single] if os.path.isfile(single) else []
+
+
+def read_state_dict(files: list[str], dtype: torch.dtype) -> dict[str, Any] | None:
+    """Lazy slices of every tensor in ``files``, read from the file (``pread``) when transformers
+    materialises them, if loading in ``dtype`` casts any of them; None when nothing is cast (the
+    memory-mapped file then *is* the weights) or this safetensors cannot read without a map.
+
+    Why: transformers maps a safetensors file and casts each tensor from the map; the pages it
+    reads stay resident until the whole file is loaded, so a bf16 load of a float32 checkpoint
+    peaks at the float32 file plus the bf16 weights (SmolLM2-135M: 513 + 258 MiB). Read tensor by
+    tensor, each float32 copy is freed once cast: the peak is the bf16 weights plus the tensors in
+    flight (transformers' loading threads)."""
+    from safetensors import safe_open
+
+    try:
+        handles = [safe_open(f, framework="pt", backend="pread") for f in files]
+    except TypeError:  # safetensors without a pread backend
+        return None
+    slices = {k: h.get_slice(k) for h in handles for k in h.keys()}
+    want = _STORED.get(dtype)
+    if want is None or not any(s.get_dtype() in _STORED.values() and s.get_dtype() != want for s in slices.values()):
+        return None
+    return slices
+
+
+def _load_casting(cls, path: str, cfg, attn_implementation: str, kwargs: dict[str, Any]) -> nn.Module | None:
+    """``cls.from_pretrained(path, ...)`` for a local safetensors checkpoint that loading in
+    ``kwargs["dtype"]`` casts, from :func:`read_state_dict` instead of the mapped file (the same
+    weights, bit for bit); None where that does not apply (a device other than the CPU or a device
+    map, a Hub id, nothing cast, a model class the Auto class does not map)."""
+    files = checkpoint_files(path) if "device_map" not in kwargs else []  # (the CPU path: no device map)
+    if not files:
+        return None
+    concrete = cls._model_mapping.get(type(cfg), None) if hasattr(cls, "_model_mapping") else None
+    state = read_state_dict(files, kwargs["dtype"]) if concrete is not None else None
+    if state is None:
+        return None
+    from transformers import GenerationConfig
+
+    model = concrete.from_pretrained(None, config=cfg, state_dict=state, attn_implementation=attn_implementation, **kwargs)
+    model.config._name_or_path = model.name_or_path = path  # as loading from the folder records them
+    if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+__all__ = ["CAUSAL_LM", "CLASSIFIER", "ENCODER", "checkpoint_files", "kind_of", "load_model", "read_state_dict", "resolve_checkpoint"]

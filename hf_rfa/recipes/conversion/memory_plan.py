@@ -52,7 +52,7 @@ from torch import nn
 
 from .config import ConversionConfig
 from .host_memory import measure_peak_rss, rss_now
-from .lm_loss import LOSS_CHUNK, supports_chunked_loss
+from .lm_loss import loss_chunk, supports_chunked_loss
 from ..evaluation import NLL_CHUNK
 
 GIB = 1024**3
@@ -235,10 +235,30 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
             out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab, chunked=chunked)}
     stored = _checkpoint_dtype(config)
-    if device.type == "cpu" and stored != wdtype:  # cast while loading: the checkpoint's file pages are mapped meanwhile
-        out.parts = {"load": {**base, "checkpoint (mapped)": p_orig * (torch.finfo(stored).bits // 8)}, **out.parts}
+    if device.type == "cpu" and stored != wdtype and cfg.device_map is None:  # cast while loading (.loading)
+        out.parts = {"load": {**base, **_cast_load(cfg, torch.finfo(stored).bits // 8, p_orig)}, **out.parts}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
     return out
+
+
+def _cast_load(cfg: ConversionConfig, sb: int, p_orig: int) -> dict[str, int]:
+    """What loading a checkpoint stored in ``sb`` bytes per weight holds besides the cast weights:
+    from a local safetensors folder, the tensors being read and cast at once (its largest few, one
+    per loading thread of transformers: :func:`.loading.read_state_dict`; sizes from the files'
+    headers); otherwise (a Hub id) the whole file, mapped while each tensor is cast."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import GLOBAL_WORKERS
+
+    from .loading import checkpoint_files, resolve_checkpoint
+
+    files = [] if os.path.isfile(cfg.model) else checkpoint_files(resolve_checkpoint(cfg.model))  # (a config.json: no files)
+    if not files:
+        return {"checkpoint (mapped)": p_orig * sb}
+    sizes = []
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            sizes += [math.prod(h.get_slice(k).get_shape()) for k in h.keys()]
+    return {"checkpoint (read)": sum(sorted(sizes, reverse=True)[:GLOBAL_WORKERS]) * sb}
 
 
 def _checkpoint_dtype(config) -> torch.dtype:
@@ -299,7 +319,7 @@ def _lora_layer(cfg, g, b, n, mb, feat) -> int:
 
 def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False, mb=4) -> dict[str, int]:
     per_layer = _lora_layer(cfg, g, b, n, mb, feat)
-    rows = min(n, LOSS_CHUNK) if chunked else n  # lm_loss: one chunk's logits at a time (the hidden states are counted per layer)
+    rows = min(n, loss_chunk(g["V"], b)) if chunked else n  # lm_loss: one chunk's logits at a time (the hidden states are counted per layer)
     logits = b * rows * g["V"] * (ab + 3 * 4)  # logits, their float32 copy, log-softmax and its gradient
     # activation checkpointing: every layer's input is held, one layer's activations at a time (its recompute)
     layers = g["L"] * b * n * g["h"] * ab + per_layer if cfg.activation_checkpointing else g["L"] * per_layer
