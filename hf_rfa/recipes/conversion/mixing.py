@@ -39,8 +39,9 @@ def _regions(cap: Captured, window: int, sinks: int) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
     """Closed-form init of each hybrid head's ``mix``: mean over queries of
-    ``log Σ_far exp(q·k·scale) − log Σ_far φ(q)·φ(k)`` (far = keys not in window/sinks; with a
-    ``decay``, each feature term times its decay γ^(t−s)).
+    ``log Σ_far exp(q·k·scale) − log Σ_far φ(q)·φ(k)`` (far = keys not in window/sinks; φ(q)
+    without the mix itself, with the log scales of norm-preserving features; with a ``decay``,
+    each feature term times its decay γ^(t−s)).
 
     Returns the number of layers initialised (maps without ``hybrid_mix`` are skipped).
     """
@@ -56,13 +57,15 @@ def init_mixing(model: nn.Module, caps: dict[int, Captured]) -> int:
         xq, xk = cap.q.float() * scale**0.5, cap.k.float() * scale**0.5
         fq, fk = feature_inputs(rfa, cap)
         xq_f, xk_f = (xq, xk) if fq is None else (fq.float() * scale**0.5, fk.float() * scale**0.5)
-        phi_q = fm.forward_queries(xq_f).phi
-        phi_k = fm.forward_keys(xk_f).phi.repeat_interleave(g, 1)
+        fq_, fk_ = fm.unmixed_queries(xq_f), fm.forward_keys(xk_f)
+        phi_k = fk_.phi.repeat_interleave(g, 1)
         scores = xq @ xk.repeat_interleave(g, 1).transpose(-1, -2)  # [B,H,N,N]
         _, far = _regions(cap, rfa.window, rfa.sinks)
         far = far.expand(b, h, n, n)
         target = torch.logsumexp(torch.where(far, scores, torch.full_like(scores, NEG)), -1)
-        w = phi_q @ phi_k.transpose(-1, -2)
+        w = fq_.phi @ phi_k.transpose(-1, -2)
+        if fq_.log_scale is not None:  # norm-preserving features: φ = phi · exp(log_scale) (log ‖x‖)
+            w = w * torch.exp(fq_.log_scale.unsqueeze(-1) + fk_.log_scale.repeat_interleave(g, 1).unsqueeze(-2))
         rate = getattr(fm, "decay_log_rate", None)
         if rate is not None:  # a decayed feature state: key s reaches query t with weight γ^(t−s)
             r = rate.detach().to(w.dtype).exp()
