@@ -48,7 +48,7 @@ def test_default_chunk_keeps_each_chunks_float32_logits_within_the_budget(monkey
 
     model = tiny_model("llama").eval()
     vocab = model.get_output_embeddings().weight.shape[0]
-    assert lm_loss.loss_chunk(49152) == 85 and lm_loss.loss_chunk(128256) == 32 and lm_loss.loss_chunk(10**9) == 1
+    assert lm_loss.loss_chunk(49152) == 512 and lm_loss.loss_chunk(128256) == 196 and lm_loss.loss_chunk(49152, 2) == 256 and lm_loss.loss_chunk(10**10) == 1
     monkeypatch.setattr(lm_loss, "LOSS_CHUNK_BYTES", 7 * 4 * vocab)
     assert lm_loss.loss_chunk(vocab, 2) == 3
     ids, mask = batch("llama", n=23, b=2)

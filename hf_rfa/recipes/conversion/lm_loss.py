@@ -5,7 +5,7 @@ float32 and take their log-softmax for the loss; with the graph kept for the bac
 several float32 copies of ``B·N·vocab`` (SmolLM2's 49k vocabulary at a 4,096-token LoRA context:
 0.8 GiB each; Llama 3's 128k: 2.1 GiB each), the largest activation of a LoRA step. Here the
 decoder's hidden states go through the output head and the cross-entropy ``chunk`` positions at a
-time (:func:`loss_chunk`: 16 MiB of float32 logits), each chunk under activation checkpointing, so only one chunk's logits exist at once, in the
+time (:func:`loss_chunk`: 96 MiB of float32 logits), each chunk under activation checkpointing, so only one chunk's logits exist at once, in the
 forward and again in the backward: the same loss and the same gradients (the mean over the
 predicted tokens, as ``ForCausalLMLoss``), a little more compute (the head runs twice).
 
@@ -24,10 +24,12 @@ from torch.utils.checkpoint import checkpoint
 
 #: causal LMs whose forward is ``lm_head(decoder(...).last_hidden_state)`` and the stock loss
 PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"})
-#: bytes of float32 logits per chunk of the output head and the loss (SmolLM2's 49k vocabulary: 85
-#: positions of one sequence; Llama 3's 128k: 32). On the quick SmolLM2 conversion (256-token
-#: sequences) the LoRA stage's peak fell by 0.11 GiB against 512-position chunks.
-LOSS_CHUNK_BYTES = 16 * 2**20
+#: bytes of float32 logits per chunk of the output head and the loss: 512 positions of one sequence
+#: for SmolLM2's 49k vocabulary, 196 for Llama 3's 128k. Smaller chunks hold less but cost time:
+#: SmolLM2's LoRA step at 4,096 tokens (activation checkpointing, one thread, bf16 AMX) took 72 /
+#: 77 / 84 / 106 s for 512 / 341 / 170 / 85 positions and peaked at 1.84 / 1.79 / 1.70 / 1.66 GiB
+#: (``benchmarks/lora_stage_memory.py``).
+LOSS_CHUNK_BYTES = 96 * 2**20
 
 
 def loss_chunk(vocab: int, batch: int = 1) -> int:
