@@ -79,7 +79,7 @@ def token_ids(tokenizer, text: str, piece: int = PIECE) -> torch.Tensor:
     finally:
         for lg, lvl in zip(quiet, old):
             lg.setLevel(lvl)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return torch.cat(parts)
 
 
 __all__ = ["CONTEXT", "PIECE", "TRIES", "pieces", "safe_cut", "token_ids"]

@@ -15,7 +15,7 @@ import hf_rfa
 from hf_rfa.feature_maps.learned import norm_preserved, norm_preserved_reference
 from hf_rfa.ops.reference import quadratic_kernel_attention
 from hf_rfa.recipes.conversion import calibration, mixing, transfer
-from conftest import rel
+from conftest import paired_grads, rel
 from tiny_models import VOCAB, tiny_model
 from tolerances import DECODE_LOGITS, GRAD_FP32, ORACLE_FP32
 
@@ -118,10 +118,8 @@ def test_gradients_equal_twin():
     params = [p for p in fm.parameters() if p.requires_grad]
     out = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, **KW)
     ref = quadratic_kernel_attention(q, k, v, fm, True, mask, **KW)
-    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)) * mask[:, None, :, None]
-    ga = torch.autograd.grad((out * up).sum(), (q, k, v, *params))
-    gr = torch.autograd.grad((ref * up).sum(), (q, k, v, *params))
-    for x, y in zip(ga, gr):
+    pairs = paired_grads(out, ref, mask, (q, k, v, *params), 9)
+    for x, y in pairs:
         assert rel(x, y) <= GRAD_FP32
 
 

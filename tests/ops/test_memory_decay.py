@@ -11,7 +11,7 @@ import hf_rfa
 from hf_rfa.ops.memory import MemoryCall, MemoryState, continue_memory_attention
 from hf_rfa.ops.reference import feature_error_scores, memory_membership, quadratic_kernel_attention
 from hf_rfa.ops.rotary import unrotate
-from conftest import rel
+from conftest import paired_grads, rel
 from tolerances import GRAD_FP32, ORACLE_FP32
 
 B, H, HKV, N, D = 2, 4, 2, 67, 16
@@ -75,14 +75,12 @@ def test_gradients_equal_twin_including_the_decay(kind):
     params = [p for p in fm.parameters() if p.requires_grad]
     out = hf_rfa.random_feature_attention(q, k, v, fm, True, mask, chunk_size=8, memory_score="feature_error", **KW)
     ref = quadratic_kernel_attention(q, k, v, fm, True, mask, memory_score="feature_error", **KW)
-    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)) * mask[:, None, :, None]
-    ga = torch.autograd.grad((out * up).sum(), (q, k, v, *params))
-    gr = torch.autograd.grad((ref * up).sum(), (q, k, v, *params))
-    for x, y in zip(ga, gr):
+    pairs = paired_grads(out, ref, mask, (q, k, v, *params), 3)
+    for x, y in pairs:
         assert rel(x, y) <= GRAD_FP32
     if kind == "hedgehog":
         names = [n for n, p in fm.named_parameters() if p.requires_grad]
-        assert ga[3 + names.index("decay_log_rate")].abs().sum() > 0  # the decay rate is trained through the memory path
+        assert pairs[3 + names.index("decay_log_rate")][0].abs().sum() > 0  # the decay rate is trained through the memory path
 
 
 @pytest.mark.parametrize("kind", ["hedgehog", "rfa-gate"])

@@ -9,7 +9,7 @@ import hf_rfa
 from hf_rfa.ops.memory import MemoryCall, MemoryState, continue_memory_attention
 from hf_rfa.ops.reference import quadratic_kernel_attention
 from hf_rfa.ops.rotary import unrotate
-from conftest import rel
+from conftest import paired_grads, rel
 from tolerances import GRAD_FP32, ORACLE_FP32
 
 B, H, HKV, N, D = 2, 4, 2, 61, 16
@@ -65,10 +65,8 @@ def test_float64_last_queries_and_gradients(score):
     params = [p for p in fm.parameters() if p.requires_grad]
     out = hf_rfa.random_feature_attention(q32, k32, v32, fm, True, mask, chunk_size=8, feature_rope=rope, **kw)
     ref = quadratic_kernel_attention(q32, k32, v32, fm, True, mask, feature_q=unrotate(q32, *rope), feature_k=unrotate(k32, *rope), **kw)
-    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)) * mask[:, None, :, None]
-    ga = torch.autograd.grad((out * up).sum(), (q32, k32, v32, *params))
-    gr = torch.autograd.grad((ref * up).sum(), (q32, k32, v32, *params))
-    for x, y in zip(ga, gr):
+    pairs = paired_grads(out, ref, mask, (q32, k32, v32, *params), 3)
+    for x, y in pairs:
         assert rel(x, y) <= GRAD_FP32
 
 

@@ -251,7 +251,8 @@ def _cast_load(cfg: ConversionConfig, sb: int, p_orig: int) -> dict[str, int]:
 
     from .loading import checkpoint_files, resolve_checkpoint
 
-    files = [] if os.path.isfile(cfg.model) else checkpoint_files(resolve_checkpoint(cfg.model))  # (a config.json: no files)
+    config_only = os.path.isfile(cfg.model) and cfg.model.endswith(".json")  # as load_config reads it
+    files = [] if config_only else checkpoint_files(resolve_checkpoint(cfg.model))  # (a GGUF file: its converted folder)
     if not files:
         return {"checkpoint (mapped)": p_orig * sb}
     sizes = []
