@@ -239,6 +239,65 @@ def test_a_cast_load_reads_tensor_by_tensor_and_equals_transformers_own(tiny, mo
     assert used == [None]
 
 
+def _hub_cache(root, repo: str, folder: str):
+    """A Hugging Face cache holding ``folder`` as the snapshot of Hub model ``repo`` at ``main``."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = root / f"models--{repo.replace('/', '--')}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, base / "snapshots" / commit)
+    return base / "snapshots" / commit
+
+
+_HUB_LOAD = """
+import json, sys, torch
+from hf_rfa.recipes.conversion import loading, memory_plan
+read = []
+real = loading.read_state_dict
+loading.read_state_dict = lambda files, dtype: read.append(files) or real(files, dtype)
+model, _, _ = loading.load_model(sys.argv[1], torch.bfloat16)
+torch.save(model.state_dict(), sys.argv[2])
+print(json.dumps({"read": read, "name": model.name_or_path, "generation": model.generation_config.to_dict(),
+                  "sizes": memory_plan._tensor_sizes(sys.argv[1]), "missing": loading.checkpoint_files("org/not-cached", fetch=True),
+                  "missing_sizes": memory_plan._tensor_sizes("org/not-cached"), "sharded": loading.checkpoint_files("org/tiny-sharded")}))
+"""
+
+
+def test_a_cast_load_of_a_hub_id_reads_its_cached_snapshot(tiny, tmp_path):
+    """A Hub id loaded as bf16 from its float32 files in the Hugging Face cache (offline): read
+    tensor by tensor from the snapshot's files, bit for bit transformers' own bf16 load, keeping the
+    Hub id as its name; the plan takes the tensor sizes from the same headers; a sharded snapshot
+    gives the shards its index names. An id neither cached
+    nor reachable has no files to read (transformers' own load and the mapped plan stand)."""
+    import subprocess
+    import sys
+
+    import transformers
+    from safetensors import safe_open
+
+    snapshot = _hub_cache(tmp_path / "hub", "org/tiny-llama", tiny["llama"])
+    tiny_model("llama").save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    sharded = _hub_cache(tmp_path / "hub", "org/tiny-sharded", tmp_path / "sharded")
+    shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", _HUB_LOAD, "org/tiny-llama", str(tmp_path / "sd.pt")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["read"] == [[str(snapshot / "model.safetensors")]] and got["name"] == "org/tiny-llama"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.bfloat16, use_kernels=False)
+    ours, theirs = torch.load(tmp_path / "sd.pt"), ref.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert got["generation"] == ref.generation_config.to_dict()
+    with safe_open(str(snapshot / "model.safetensors"), framework="pt") as h:
+        sizes = sorted(int(torch.Size(h.get_slice(k).get_shape()).numel()) for k in h.keys())
+    assert sorted(got["sizes"]) == sizes
+    assert got["missing"] == [] and got["missing_sizes"] == []
+    assert len(shards) > 1 and got["sharded"] == [str(sharded / name) for name in shards]
+
+
 _PEAK = """
 import sys, torch
 from hf_rfa.recipes.conversion import loading

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from torch import nn
 
 from .. import evaluation
 from ...config import CONFIG_ATTR
+
+logger = logging.getLogger(__name__)
 
 CAUSAL_LM, ENCODER, CLASSIFIER = "causal-lm", "encoder", "classifier"
 
@@ -96,17 +99,44 @@ def load_model(
 _STORED = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a local checkpoint folder (sharded: those its index names); [] for a
-    Hub id, a folder without safetensors, or one with other weight files only."""
+def checkpoint_files(path: str, fetch: bool = False) -> list[str]:
+    """The safetensors files of a checkpoint (sharded: those its index names): a local folder's, or
+    a Hub id's in the Hugging Face cache (:func:`hub_checkpoint_files`: fetched into the cache first
+    when ``fetch``, as ``from_pretrained`` would; else only what the cache holds); [] for a folder
+    without safetensors, one with other weight files only, or a Hub id whose files cannot be had."""
     if not os.path.isdir(path):
-        return []
+        return [] if evaluation.looks_like_path(path) else hub_checkpoint_files(path, fetch)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
             return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
     single = os.path.join(path, "model.safetensors")
     return [single] if os.path.isfile(single) else []
+
+
+def hub_checkpoint_files(repo_id: str, fetch: bool) -> list[str]:
+    """The safetensors files of Hub model ``repo_id`` in the Hugging Face cache (the index's shards,
+    else ``model.safetensors``); with ``fetch``, downloaded there first where missing (the files
+    ``from_pretrained`` would download); [] where the repository has none, the Hub cannot be
+    reached or the cache lacks them: the caller then leaves the load to transformers."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    def get(name: str, local: bool = not fetch) -> str:
+        return hf_hub_download(repo_id, name, local_files_only=local)
+
+    try:
+        try:
+            index = get("model.safetensors.index.json")
+        except LocalEntryNotFoundError:  # not in the cache, and (fetching) the Hub out of reach
+            return [get("model.safetensors", local=True)]
+        except EntryNotFoundError:  # not in the repository
+            return [get("model.safetensors")]
+        with open(index, encoding="utf-8") as f:
+            return [get(name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        logger.debug("%s: no safetensors files to read tensor by tensor (%s)", repo_id, e)
+        return []
 
 
 def read_state_dict(files: list[str], dtype: torch.dtype) -> dict[str, Any] | None:
@@ -136,8 +166,9 @@ def _load_casting(cls, path: str, cfg, attn_implementation: str, kwargs: dict[st
     """``cls.from_pretrained(path, ...)`` for a local safetensors checkpoint that loading in
     ``kwargs["dtype"]`` casts, from :func:`read_state_dict` instead of the mapped file (the same
     weights, bit for bit); None where that does not apply (a device other than the CPU or a device
-    map, a Hub id, nothing cast, a model class the Auto class does not map)."""
-    files = checkpoint_files(path) if "device_map" not in kwargs else []  # (the CPU path: no device map)
+    map, no safetensors files, nothing cast, a model class the Auto class does not map). A Hub id
+    reads the files of its snapshot in the Hugging Face cache (downloaded there first)."""
+    files = checkpoint_files(path, fetch=True) if "device_map" not in kwargs else []  # (the CPU path: no device map)
     if not files:
         return None
     concrete = cls._model_mapping.get(type(cfg), None) if hasattr(cls, "_model_mapping") else None
@@ -148,9 +179,23 @@ def _load_casting(cls, path: str, cfg, attn_implementation: str, kwargs: dict[st
 
     model = concrete.from_pretrained(None, config=cfg, state_dict=state, attn_implementation=attn_implementation, **kwargs)
     model.config._name_or_path = model.name_or_path = path  # as loading from the folder records them
-    if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
+    if model.can_generate() and _has_generation_config(path):
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model
 
 
-__all__ = ["CAUSAL_LM", "CLASSIFIER", "ENCODER", "checkpoint_files", "kind_of", "load_model", "read_state_dict", "resolve_checkpoint"]
+def _has_generation_config(path: str) -> bool:
+    """Whether a folder or Hub id has a ``generation_config.json`` (a Hub id's fetched into the cache)."""
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "generation_config.json"))
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
+    try:
+        hf_hub_download(path, "generation_config.json")
+    except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError):
+        return False
+    return True
+
+
+__all__ = ["CAUSAL_LM", "CLASSIFIER", "ENCODER", "checkpoint_files", "hub_checkpoint_files", "kind_of", "load_model", "read_state_dict", "resolve_checkpoint"]

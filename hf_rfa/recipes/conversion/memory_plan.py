@@ -29,10 +29,11 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   output head's); LoRA's activations are counted tensor by tensor in the dtype each is saved in
   (:func:`_lora_layer`: the norms' inputs in float32, the matmuls' outputs in bf16), the other
   stages' at 4 bytes then, at 2 with bf16 / float16 weights;
-- **load** (CPU, weights cast from the checkpoint's dtype to another): the checkpoint's file is
-  memory-mapped while each tensor is cast, and its touched pages count in the resident memory
-  next to the cast weights (**checkpoint (mapped)**); a checkpoint loaded in its own dtype is
-  mapped and used as it is (no copy);
+- **load** (CPU, weights cast from the checkpoint's dtype to another): safetensors files (a local
+  folder's or a Hub id's) are read tensor by tensor and each tensor cast, a few at a time (**checkpoint
+  (read)**: the largest ones, one per loading thread); any other checkpoint is memory-mapped while
+  each tensor is cast, and its touched pages count next to the cast weights (**checkpoint
+  (mapped)**); a checkpoint loaded in its own dtype is mapped and used as it is (no copy);
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
   transformers); on CUDA, an allowance for the CUDA context.
 
@@ -43,6 +44,7 @@ refuses a run that would not fit, with the numbers and what to change.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -54,6 +56,8 @@ from .config import ConversionConfig
 from .host_memory import measure_peak_rss, rss_now
 from .lm_loss import loss_chunk, supports_chunked_loss
 from ..evaluation import NLL_CHUNK
+
+logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -243,23 +247,43 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
 
 def _cast_load(cfg: ConversionConfig, sb: int, p_orig: int) -> dict[str, int]:
     """What loading a checkpoint stored in ``sb`` bytes per weight holds besides the cast weights:
-    from a local safetensors folder, the tensors being read and cast at once (its largest few, one
-    per loading thread of transformers: :func:`.loading.read_state_dict`; sizes from the files'
-    headers); otherwise (a Hub id) the whole file, mapped while each tensor is cast."""
-    from safetensors import safe_open
+    from safetensors files, the tensors being read and cast at once (its largest few, one per
+    loading thread of transformers: :func:`.loading.read_state_dict`; sizes from the files'
+    headers); otherwise (a ``config.json``, other weight files, headers out of reach) the whole
+    file, mapped while each tensor is cast (an upper bound)."""
     from transformers.core_model_loading import GLOBAL_WORKERS
+
+    sizes = _tensor_sizes(cfg.model)
+    if not sizes:
+        return {"checkpoint (mapped)": p_orig * sb}
+    return {"checkpoint (read)": sum(sorted(sizes, reverse=True)[:GLOBAL_WORKERS]) * sb}
+
+
+def _tensor_sizes(spec: str) -> list[int]:
+    """The element counts of the checkpoint's safetensors tensors, from their headers: a local
+    folder's (a GGUF file: its converted folder) or a Hub id's in the Hugging Face cache, else the
+    Hub's headers of them (nothing downloaded); [] where there are none to read."""
+    from safetensors import safe_open
 
     from .loading import checkpoint_files, resolve_checkpoint
 
-    config_only = os.path.isfile(cfg.model) and cfg.model.endswith(".json")  # as load_config reads it
-    files = [] if config_only else checkpoint_files(resolve_checkpoint(cfg.model))  # (a GGUF file: its converted folder)
-    if not files:
-        return {"checkpoint (mapped)": p_orig * sb}
+    if os.path.isfile(spec) and spec.endswith(".json"):  # a config alone, as load_config reads it
+        return []
+    files = checkpoint_files(resolve_checkpoint(spec))
     sizes = []
     for f in files:
         with safe_open(f, framework="pt") as h:
             sizes += [math.prod(h.get_slice(k).get_shape()) for k in h.keys()]
-    return {"checkpoint (read)": sum(sorted(sizes, reverse=True)[:GLOBAL_WORKERS]) * sb}
+    if files or os.path.exists(spec):
+        return sizes
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        meta = get_safetensors_metadata(spec)
+    except Exception as e:  # noqa: BLE001 (no connection, gated, not safetensors: the upper bound stands)
+        logger.debug("%s: safetensors headers not available (%s)", spec, e)
+        return []
+    return [math.prod(t.shape) for m in meta.files_metadata.values() for t in m.tensors.values()]
 
 
 def _checkpoint_dtype(config) -> torch.dtype:
