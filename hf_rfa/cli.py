@@ -220,6 +220,7 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
         grid = _grid_of(a, argv)
     except ValueError as e:  # EvaluateArguments' checks: a usage error, like argparse's own
         p.error(str(e))
+    _map_large_blocks_on_cpu(True)  # (load_model's default device)
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {'the grid' if grid else a.task} is undefined")
@@ -303,6 +304,23 @@ def _parse_training(dataclasses: tuple, argv: list[str] | None, files: tuple[str
     return flags.parse(dataclasses, None if config_file else argv, config_file=config_file)
 
 
+def _map_large_blocks_on_cpu(on_cpu: bool) -> None:
+    """A command about to load and run a model on the CPU: C-heap blocks of 4 MiB or more get a
+    memory map of their own, returned when freed (glibc; :mod:`.recipes.conversion.host_memory`),
+    as the conversion does; the user's ``MALLOC_MMAP_THRESHOLD_`` stands. Nothing elsewhere."""
+    from .recipes.conversion.host_memory import DEFAULT_MMAP_THRESHOLD_MIB, map_large_blocks
+
+    if on_cpu and map_large_blocks(DEFAULT_MMAP_THRESHOLD_MIB):
+        logging.getLogger("hf_rfa.cli").debug("C-heap blocks of %d MiB or more are mapped on their own", DEFAULT_MMAP_THRESHOLD_MIB)
+
+
+def _no_cuda(forced_cpu: bool) -> bool:
+    """Whether a training command runs on the CPU: told to, or no CUDA device."""
+    import torch
+
+    return forced_cpu or not torch.cuda.is_available()
+
+
 def _end_process_group() -> None:
     """Tear down the distributed process group (if this command started one) before exit, so
     no rank's interpreter shutdown races gloo's threads."""
@@ -328,6 +346,7 @@ def finetune_main(argv: list[str] | None = None) -> dict:
         # to only evaluate (--do_eval without --do_train)
         logging.getLogger("hf_rfa.cli").info("training (no --do_train / --do_eval given; --do_eval alone only evaluates)")
         training_args.do_train = True
+    _map_large_blocks_on_cpu(_no_cuda(training_args.use_cpu))
     try:
         return run_trainer(model_args, data_args, rfa_args, training_args)
     finally:
@@ -344,6 +363,7 @@ def train_accelerate_main(argv: list[str] | None = None) -> dict:
     level = logging.INFO if main_process else logging.WARNING
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
     _log_info(level)
+    _map_large_blocks_on_cpu(_no_cuda(os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")))
     try:
         return train(*args)
     finally:

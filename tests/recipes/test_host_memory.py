@@ -88,3 +88,56 @@ def test_the_conversion_sets_it_on_the_cpu_only(monkeypatch):
     assert pipeline._map_large_blocks(cfg, None) is True
     assert pipeline._map_large_blocks(cfg, "auto") is True
     assert calls == [8, 8, 8]
+
+
+class _Stop(Exception):
+    """Raised in place of the model load: the commands' set-up is what these tests look at."""
+
+
+@pytest.mark.parametrize("command,argv,cuda,forced,expected", [
+    ("evaluate_main", ["--model", "m", "--text", "t.txt"], True, None, [4]),
+    ("finetune_main", ["--model_name_or_path", "m", "--train_file", "t.txt", "--output_dir", "o"], False, None, [4]),
+    ("train_accelerate_main", ["--model_name_or_path", "m", "--train_file", "t.txt", "--output_dir", "o"], False, None, [4]),
+    ("train_accelerate_main", ["--model_name_or_path", "m", "--train_file", "t.txt", "--output_dir", "o"], True, None, []),
+    ("train_accelerate_main", ["--model_name_or_path", "m", "--train_file", "t.txt", "--output_dir", "o"], True, "1", [4]),
+])
+def test_the_training_and_evaluation_commands_set_it_on_the_cpu_before_loading(monkeypatch, command, argv, cuda, forced, expected):
+    """hf-rfa-evaluate (always on the CPU), hf-rfa-finetune and hf-rfa-train (on the CPU: no CUDA,
+    ACCELERATE_USE_CPU) fix the 4 MiB threshold before the model loads; not on CUDA. (With CUDA
+    faked, TrainingArguments' parsing itself queries the device: hf-rfa-finetune's rule is the
+    next test's.)"""
+    import torch
+
+    from hf_rfa import cli
+    from hf_rfa.recipes import training
+    from hf_rfa.recipes.conversion import pipeline as conv_pipeline
+
+    calls = []
+    monkeypatch.setattr(host_memory, "map_large_blocks", lambda mib: calls.append(mib) or True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if forced is None:
+        monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_USE_CPU", forced)
+
+    def stop(*a, **k):
+        assert calls == expected  # set (or not) before anything is loaded
+        raise _Stop
+
+    monkeypatch.setattr(conv_pipeline, "load_model", stop)
+    monkeypatch.setattr(training, "run_trainer", stop)
+    monkeypatch.setattr(training, "train", stop)
+    monkeypatch.setattr(cli, "_end_process_group", lambda: None)
+    with pytest.raises(_Stop):
+        getattr(cli, command)(argv)
+
+
+def test_a_training_command_is_on_the_cpu_when_told_or_without_cuda(monkeypatch):
+    import torch
+
+    from hf_rfa import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli._no_cuda(True) is True and cli._no_cuda(False) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli._no_cuda(False) is True

@@ -16,6 +16,7 @@ from typing import ClassVar
 from ...config import RFAConfig
 from ...presets import DEFAULT_PRESET, get_preset
 from ..flags import FlagSpec, flat_dict, preset_config
+from .host_memory import DEFAULT_MMAP_THRESHOLD_MIB
 
 
 @dataclass
@@ -77,7 +78,7 @@ class ConversionConfig:
     teacher_attn_implementation: str = field(default="sdpa", metadata={"help": "attention of the original model: sdpa, eager or flash_attention_2 (needs flash_attn and CUDA)"})
     transfer_layerwise: bool = field(default=False, metadata={"help": "attention transfer one decoder layer at a time: the teacher's q/k/v of that layer only are held, each layer trained on the whole transfer budget (activation memory of one layer; the same result as all layers at once)"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "LoRA: recompute each decoder layer's activations in the backward (transformers' activation checkpointing) instead of holding them all: LoRA's activations fall to each layer's input plus one layer's, for about one more forward pass of compute (the same loss and gradients)"})
-    malloc_mmap_threshold: int = field(default=4, metadata={"help": "conversions on the CPU: C-heap blocks of this many MiB or more get a memory map of their own, returned to the system when freed (glibc mallopt M_MMAP_THRESHOLD). glibc's default keeps freed blocks of up to 32 MiB resident, and a long-context conversion grows far past what it holds (LoRA at 4,096 tokens: 2.7 vs 1.2 GiB peak). 0: glibc's default; ignored where MALLOC_MMAP_THRESHOLD_ is set or the C library is not glibc"})
+    malloc_mmap_threshold: int = field(default=DEFAULT_MMAP_THRESHOLD_MIB, metadata={"help": "conversions on the CPU: C-heap blocks of this many MiB or more get a memory map of their own, returned to the system when freed (glibc mallopt M_MMAP_THRESHOLD). glibc's default keeps freed blocks of up to 32 MiB resident, and a long-context conversion grows far past what it holds (LoRA at 4,096 tokens: 2.7 vs 1.2 GiB peak). 0: glibc's default; ignored where MALLOC_MMAP_THRESHOLD_ is set or the C library is not glibc"})
     fsdp: bool = field(default=False, metadata={"help": "several processes: shard attention transfer and LoRA with FSDP2 (each process holds 1/N of the weights while they train; evaluation and export see the gathered model). Also on without this flag when the launcher says FSDP (accelerate launch with an FSDP config sets ACCELERATE_USE_FSDP)"})
     dry_run: bool = field(default=False, metadata={"help": "print the memory plan (weights, gradients, optimizer, activations, decode cache) from the model's config on the meta device and exit: nothing is loaded"})
     memory_check: bool = field(default=True, metadata={"help": "before loading, refuse a run whose memory plan does not fit the device (free GPU memory / available RAM)"})

@@ -17,7 +17,8 @@ every decoder layer between longer-lived ones: on SmolLM2-135M's LoRA step at 4,
 activation checkpointing, the resident memory after the forward was 2.37 GiB where the tensors it
 needs take about 0.65. :func:`map_large_blocks` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``;
 4 MiB by default, ``--malloc-mmap-threshold``): each larger block is unmapped when freed, and the
-same step measured 0.84 GiB. The cost is system time: a fresh map's pages are faulted in (zeroed)
+same step measured 0.84 GiB. ``hf-rfa-finetune``, ``hf-rfa-train`` and ``hf-rfa-evaluate`` set the
+same 4 MiB when they run on the CPU. The cost is system time: a fresh map's pages are faulted in (zeroed)
 on first touch.
 """
 
@@ -63,6 +64,9 @@ _M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD_MIB = 32
 #: the environment variable by which a user sets glibc's threshold before the process starts
 MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+#: the threshold the commands set on the CPU (MiB): the conversion's ``--malloc-mmap-threshold``
+#: default, and what ``hf-rfa-finetune``, ``hf-rfa-train`` and ``hf-rfa-evaluate`` set
+DEFAULT_MMAP_THRESHOLD_MIB = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,4 +133,4 @@ def measure_peak_rss(interval: float = 0.02):
         out[0] = max(best[0], rss_now())
 
 
-__all__ = ["check_mmap_threshold", "map_large_blocks", "measure_peak_rss", "release_free_memory", "rss_now"]
+__all__ = ["DEFAULT_MMAP_THRESHOLD_MIB", "check_mmap_threshold", "map_large_blocks", "measure_peak_rss", "release_free_memory", "rss_now"]
