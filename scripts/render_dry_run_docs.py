@@ -7,8 +7,8 @@ Each table in the page starts with a ``*Memory plan per process: <name>, ...*`` 
 the ``Decode cache per sequence`` line; :data:`TABLES` gives, in page order, the flags each one is
 the plan of (the page's ``$RECIPE`` included) and the name shown for its model (the SmolLM2 plan
 reads the offline copy's config; the Llama-3-8B plans the config in ``tests/fixtures``). CPU
-plans put the measured ``runtime`` (this process's resident memory) in; it is rounded to 50 MiB
-so the page does not change with every run.
+plans put the measured ``runtime`` (this process's resident memory) and ``tokenizer`` in, rounded
+to 50 and 8 MiB so the page does not change with every run.
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ def plan_markdown(flags: list[str], env: dict[str, str], name: str, cpu_gib_step
     distributed.use_fsdp(None)
     try:
         cfg = config_from_args([*flags, *RECIPE, "--dry-run"])
-        runtime = None
-        if cfg.device == "cpu":  # the process's own memory, rounded so the page is stable
+        runtime = tokenizer = None
+        if cfg.device == "cpu":  # the process's own memory and the tokenizer's, rounded so the page is stable
             step = int(cpu_gib_step * 2**30)
             runtime = round(memory_plan.rss_now() / step) * step
-        p = memory_plan.plan(cfg, runtime_bytes=runtime)
+            tokenizer = round(memory_plan.tokenizer_bytes(cfg.model) / 2**23) * 2**23
+        p = memory_plan.plan(cfg, runtime_bytes=runtime, tokenizer=tokenizer)
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -322,3 +322,29 @@ def test_casting_a_checkpoint_on_the_cpu_plans_what_is_read_at_once(tiny_llama, 
     config_only.write_text(open(os.path.join(tiny_llama, "config.json")).read())
     mapped = memory_plan.plan(_cfg(str(config_only), dtype="bfloat16"), runtime_bytes=0)
     assert mapped.parts["load"]["checkpoint (mapped)"] == 4 * mapped.counts["frozen"]
+
+_TOKENIZER = """
+import sys
+from hf_rfa.recipes.conversion import memory_plan
+print(memory_plan.tokenizer_bytes(sys.argv[1]), memory_plan.tokenizer_bytes(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_plan_counts_the_tokenizer_it_can_load_without_a_download(tiny_llama):
+    """Loading SmolLM2's tokenizer (49k vocabulary, its merges, the modules it imports) adds tens of
+    MiB to a process (measured in a fresh one: about 0.1 GiB); a folder without tokenizer files
+    counts nothing. A CPU plan whose runtime it measures itself has the part; one given the
+    runtime does not, unless given the tokenizer's too."""
+    import subprocess
+    import sys
+
+    from hf_rfa.assets import smollm2_path
+
+    out = subprocess.run([sys.executable, "-c", _TOKENIZER, str(smollm2_path()), tiny_llama], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    real, none = map(int, out.stdout.split()[-2:])
+    assert 20 * 2**20 < real < 200 * 2**20 and none == 0
+    assert "tokenizer" in memory_plan.plan(_cfg(tiny_llama)).parts["eval"]
+    assert "tokenizer" not in memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0).parts["eval"]
+    assert memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0, tokenizer=7).parts["eval"]["tokenizer"] == 7

@@ -35,7 +35,10 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   each tensor is cast, and its touched pages count next to the cast weights (**checkpoint
   (mapped)**); a checkpoint loaded in its own dtype is mapped and used as it is (no copy);
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
-  transformers); on CUDA, an allowance for the CUDA context.
+  transformers); on CUDA, an allowance for the CUDA context;
+- **tokenizer** (CPU): what loading the model's tokenizer adds (the tokenizer and the modules it
+  imports), measured by loading it in a fresh process where it is at hand without a download
+  (:func:`tokenizer_bytes`).
 
 The peak is the largest stage total. :func:`check_fits` compares it with what the device has free
 (``torch.cuda.mem_get_info``; on the CPU ``MemAvailable`` of ``/proc/meminfo``, or psutil) and
@@ -186,13 +189,15 @@ def _lora_params(model: nn.Module, r: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- the plan
-def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
+def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | None = None, runtime_bytes: int | None = None,
+         tokenizer: int | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` per process (see the module docstring). ``processes``: default
     ``WORLD_SIZE`` (1); ``sharding``: ``ddp`` (every process a full copy, :mod:`.distributed`) or
     ``fsdp`` (the training stages sharded over the processes, :mod:`.fsdp`); default: ``fsdp`` with
     several processes when ``cfg.fsdp`` or the launcher asks for FSDP (``ACCELERATE_USE_FSDP``),
     else ``ddp``; ``runtime_bytes``: the process's own memory (default: its resident memory now on
-    the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA)."""
+    the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA); ``tokenizer``: the tokenizer's memory on the CPU
+    (default: :func:`tokenizer_bytes` where the runtime is measured here, else none)."""
     from . import devices, distributed
     from .calibration import rfa_layers
 
@@ -226,6 +231,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     out = MemoryPlan(cfg.model, cfg.dtype, str(device), processes, sharding, n, cfg.batch_size,
                      counts={"frozen": p_orig, "feature maps": p_rfa, "trainable maps": p_train, "LoRA": p_lora})
     base = {"runtime": runtime, "weights": weights}
+    if device.type == "cpu" and (tokenizer is not None or runtime_bytes is None):
+        base["tokenizer"] = tokenizer if tokenizer is not None else tokenizer_bytes(cfg.model)
     if devices.needs_float32_compute(device, wdtype):  # bf16 storage, float32 matmuls: one weight's float32 copy at a time
         base["upcast copy"] = 4 * max(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     train = base if shard == 1 else {**base, "weights": weights // shard, "gathered units": _gathered(model, p_orig + p_rfa, wb)}
@@ -284,6 +291,59 @@ def _tensor_sizes(spec: str) -> list[int]:
         logger.debug("%s: safetensors headers not available (%s)", spec, e)
         return []
     return [math.prod(t.shape) for m in meta.files_metadata.values() for t in m.tensors.values()]
+
+
+_TOKENIZER_RSS = """
+import sys
+from transformers import AutoTokenizer
+rss = lambda: int(open("/proc/self/statm").read().split()[1])
+before = rss()
+try:
+    tok = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
+except Exception:
+    sys.exit(3)
+print((rss() - before) * int(sys.argv[2]))
+"""
+
+
+def tokenizer_bytes(spec: str) -> int:
+    """The resident memory that loading the model's tokenizer adds to a process that has imported
+    transformers: the tokenizer (a fast tokenizer's vocabulary and merges) and the modules loading
+    it imports (``tokenizers``, the model's tokenizer class, the chat template's engine), about
+    0.1 GiB for SmolLM2. Measured by loading it in a fresh Python process (a few seconds; in this
+    one, modules already imported and memory freed earlier would hide it) from the folder, the
+    ``config.json``'s folder or the Hugging Face cache (nothing downloaded); 0 where it is not at
+    hand or cannot be measured."""
+    import subprocess
+    import sys
+
+    from .loading import resolve_checkpoint
+
+    if not os.path.exists("/proc/self/statm"):
+        return 0
+    path = os.path.dirname(spec) or "." if os.path.isfile(spec) and spec.endswith(".json") else resolve_checkpoint(spec)
+    if not _has_tokenizer(path):
+        return 0
+    try:
+        out = subprocess.run([sys.executable, "-c", _TOKENIZER_RSS, path, str(os.sysconf("SC_PAGE_SIZE"))],
+                             capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.debug("%s: tokenizer not measured (%s)", spec, e)
+        return 0
+    if out.returncode != 0:
+        logger.debug("%s: no tokenizer at hand (exit %d)", spec, out.returncode)
+        return 0
+    return max(0, int(out.stdout.split()[-1]))
+
+
+def _has_tokenizer(path: str) -> bool:
+    """Whether a folder, or a Hub id in the Hugging Face cache, has a tokenizer's files."""
+    names = ("tokenizer_config.json", "tokenizer.json")
+    if os.path.isdir(path):
+        return any(os.path.isfile(os.path.join(path, n)) for n in names)
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(path, n), str) for n in names)
 
 
 def _checkpoint_dtype(config) -> torch.dtype:
