@@ -200,7 +200,8 @@ def test_fla_gated_backward_rule(monkeypatch, capability, triton, tilelang, refu
     fla._triton_gated_backward_bug.cache_clear()
 
 
-def test_named_gpu_backends_refuse_calls_they_cannot_answer():
+def test_named_gpu_backends_refuse_calls_they_cannot_answer(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # fla on CPU: refused outside the interpreter
     q, k, v, mask = _qkv(40)
     fm = _fm("favor+")
     with pytest.raises(ValueError, match=r"backend='flex' needs an exact band \(window > 0 or sinks > 0\)"):
@@ -216,6 +217,30 @@ def test_named_gpu_backends_refuse_calls_they_cannot_answer():
     with pytest.raises(ValueError, match=r"backend='fla' is not available for cpu .*pip install hf_rfa\[gpu\]"):
         random_feature_attention(q.detach(), k, v, fm, window=4, backend="fla")
     assert BACKENDS["flex"].whole_call and BACKENDS["fla"].whole_call
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("On", True), ("0", False), ("", False), (None, False)])
+def test_fla_runs_on_cpu_only_under_tritons_interpreter(monkeypatch, value, on):
+    """``fla`` is available on a CPU tensor only where ``TRITON_INTERPRET`` is on (read as Triton
+    reads it) and fla-core is installed; ``auto`` never takes it there; CUDA is unchanged."""
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    monkeypatch.setattr(fla, "importable", lambda: True)
+    assert fla.interpreted() is on
+    assert fla.available(CPU, F32) is on
+    assert not fla.available(CPU, torch.float64)
+    assert fla.available(CUDA, F32)
+    assert not fla.available(torch.device("meta"), F32)
+    assert _settle("auto", CPU) not in gpu.GPU_ORDER
+    if on:
+        assert _settle("fla", CPU) == "fla"
+    else:
+        with pytest.raises(ValueError, match=r"backend='fla' is not available for cpu torch.float32: .*TRITON_INTERPRET=1"):
+            _settle("fla", CPU)
+    monkeypatch.setattr(fla, "importable", lambda: False)
+    assert not fla.available(CPU, F32)
 
 
 def test_converted_model_with_flex_backend_matches_torch():

@@ -15,7 +15,7 @@
                only when named (the eager forward, a twin; no backward)
 ``fla``        GPU: the causal feature scan (decay, gate) by fla-core's chunked simple-GLA kernel
                (:mod:`.fla`; ``pip install hf_rfa[gpu]``), the band by FlexAttention; CUDA,
-               float32 compute
+               float32 compute; on CPU only when named under Triton's interpreter (a twin)
 =============  ==================================================================================
 
 ``backend="auto"`` (the default, per call of ``random_feature_attention`` and per model in
@@ -88,7 +88,7 @@ register_backend(Backend(
 ))
 register_backend(Backend(
     "fla", "fla-core chunked feature scan (decay, gate) + FlexAttention band (GPU)", False, fla.available,
-    "it needs a CUDA tensor, float32 compute and fla-core (pip install hf_rfa[gpu])", causal_only=True, whole_call=True,
+    "it needs a CUDA tensor (a CPU one only under Triton's interpreter, TRITON_INTERPRET=1), float32 compute and fla-core (pip install hf_rfa[gpu])", causal_only=True, whole_call=True,
 ))
 
 

@@ -25,14 +25,18 @@ reach the kernel ~e⁻⁴⁰ smaller than the call's largest), :func:`scan_parti
 caller runs the PyTorch scan instead (logged at DEBUG): a fallback by a stated rule, never an
 underflowed answer.
 
-Not run on this project's CI: Triton's chunk kernels need a GPU (``tests/ops/test_cuda.py`` holds
-the CUDA twin tests).
+On CUDA: ``tests/ops/test_cuda.py`` holds the twin tests. On a CPU the kernels run under Triton's
+interpreter (``TRITON_INTERPRET=1`` before Triton is imported: NumPy, float32 products, slow), the
+only CPU use :func:`available` admits; fla-core then also needs two adjustments to the interpreter
+that ``tests/ops/test_fla_interpreter.py`` makes (an autotuner benchmark without a GPU driver, loop
+counters as Triton scalars), so a named ``backend="fla"`` on a CPU tensor is for its twin tests.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -71,11 +75,19 @@ def _triton_gated_backward_bug() -> bool:
     return (3, 4, 0) <= parts < (3, 7, 1)
 
 
+def interpreted() -> bool:
+    """Whether Triton's interpreter is on: ``TRITON_INTERPRET`` read as Triton reads it (1, true,
+    on, yes, y; any case). It must be set before Triton is imported to take effect."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """A CUDA tensor, float32 compute, fla-core installed (FlexAttention answers a band)."""
+    """A CUDA tensor (or a CPU tensor under Triton's interpreter, :func:`interpreted`), float32
+    compute, fla-core installed (FlexAttention answers a band)."""
     from . import flex
 
-    return device.type == "cuda" and dtype == torch.float32 and importable() and flex.importable()
+    here = device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return here and dtype == torch.float32 and importable() and flex.importable()
 
 
 def _kernel():
@@ -179,4 +191,4 @@ def reference_kernel(q, k, v, g=None, scale=1.0, **_):
     return (w @ vh).transpose(1, 2), None
 
 
-__all__ = ["SPREAD", "available", "gated_backward_refused", "importable", "reference_kernel", "references", "scan_partial", "scan_terms"]
+__all__ = ["SPREAD", "available", "gated_backward_refused", "importable", "interpreted", "reference_kernel", "references", "scan_partial", "scan_terms"]
