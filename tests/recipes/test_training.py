@@ -456,3 +456,52 @@ def test_trainer_reports_the_metric_flag_with_offline_fallback(assets, tmp_path)
     assert res["eval_accuracy"] == M.accuracy(seen["p"], seen["r"])["accuracy"]
     with pytest.raises(ValueError, match="metric must name"):
         DataArguments(task="classification", train_file=assets["train_csv"], metric=[])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_trainer_chunked_loss_equals_the_models_own(assets, tmp_path, family, monkeypatch):
+    """``--chunked_loss`` (default): Trainer's causal-LM training loss runs the head and the
+    cross-entropy a few positions at a time (here 5, across 2 accumulated micro-batches of 4
+    sequences): the same losses and the same trained weights as the model's own loss; the
+    model's forward is its class's again afterwards, and evaluation keeps its own forward."""
+    from hf_rfa.recipes.conversion import lm_loss
+    from hf_rfa.recipes.training.trainer import run_trainer
+
+    monkeypatch.setattr(lm_loss, "LOSS_CHUNK_BYTES", 4 * 32 * 4 * 5)  # 5 positions of a 4-sequence batch
+    calls = []
+    real = lm_loss._chunk_nll
+    monkeypatch.setattr(lm_loss, "_chunk_nll", lambda head, hidden, target: calls.append(hidden.shape) or real(head, hidden, target))
+    results, weights = {}, {}
+    for chunked in (False, True):
+        out = tmp_path / str(chunked)
+        model_args = ModelArguments(model_name_or_path=assets[family], lora_r=4, chunked_loss=chunked)
+        data_args = DataArguments(task="causal-lm", train_file=assets["train_txt"], validation_file=assets["eval_txt"], max_seq_length=16)
+        rfa_args = RFAArguments(rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+        args = tf.TrainingArguments(output_dir=str(out), do_train=True, do_eval=True, max_steps=2, per_device_train_batch_size=4,
+                                    gradient_accumulation_steps=2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                                    disable_tqdm=True, seed=0, data_seed=0)
+        results[chunked] = run_trainer(model_args, data_args, rfa_args, args)
+        weights[chunked] = hf_rfa.from_pretrained(str(out / "final"), model_class=tf.AutoModelForCausalLM).state_dict()
+        assert bool(calls) == chunked == results[chunked]["chunked_loss"]
+    # 2 steps x 2 micro-batches x 15 predicted positions in chunks of 5, each run again in the backward
+    assert len(calls) == 2 * 2 * 3 * 2 and {tuple(shape[:2]) for shape in calls} == {(4, 5)}
+    assert _rel(results[True]["losses"], results[False]["losses"]) <= 1e-6
+    assert results[True]["eval_loss"] == pytest.approx(results[False]["eval_loss"], rel=1e-6)
+    assert weights[True].keys() == weights[False].keys()
+    for k in weights[True]:
+        torch.testing.assert_close(weights[True][k], weights[False][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_accelerate_loop_chunked_loss_equals_the_models_own(assets, tmp_path):
+    """hf-rfa-train's ``--chunked_loss`` (default) gives the losses and the trained weights of the
+    model's own loss (tiny Llama, LoRA, 2 accumulated micro-batches); results.json says it ran."""
+    runs = {}
+    for chunked in ("false", "true"):
+        out = tmp_path / chunked
+        _launch("train_accelerate.py", _acc_args(assets, out, "llama", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                                 max_train_steps=2, lora_r=4, chunked_loss=chunked), 1)
+        runs[chunked] = (_results(out), hf_rfa.from_pretrained(str(out / "final"), model_class=tf.AutoModelForCausalLM).state_dict())
+    assert runs["true"][0]["chunked_loss"] is True and runs["false"][0]["chunked_loss"] is False
+    assert _rel(runs["true"][0]["losses"], runs["false"][0]["losses"]) <= 1e-6
+    for k, v in runs["true"][1].items():
+        torch.testing.assert_close(v, runs["false"][1][k], rtol=1e-5, atol=1e-6, msg=k)

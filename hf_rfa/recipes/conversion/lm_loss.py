@@ -18,6 +18,9 @@ head — are gathered around it as around the model's forward.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -59,14 +62,61 @@ def causal_lm_loss(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, 
     :func:`loss_chunk` of the head's vocabulary and the batch)."""
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    head = lm.get_output_embeddings()
-    chunk = chunk or loss_chunk(head.weight.shape[0], ids.shape[0])
-    hidden = lm.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
-    target = labels[:, 1:].to(hidden.device)
+    hidden = lm.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    total, count = _chunked_nll(lm.get_output_embeddings(), hidden, labels, chunk)
+    return total / count
+
+
+def _chunked_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of the next-token losses, number of predicted tokens)`` of ``hidden`` (``[B, N, h]``)
+    against ``labels`` (``[B, N]``, -100 ignored), the head and the loss ``chunk`` positions at a
+    time under activation checkpointing."""
+    chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
+    hidden, target = hidden[:, :-1], labels[:, 1:].to(hidden.device)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.shape[1], chunk):
         total = total + checkpoint(_chunk_nll, head, hidden[:, i : i + chunk], target[:, i : i + chunk], use_reentrant=False)
-    return total / (target != -100).sum()
+    return total, (target != -100).sum()
 
 
-__all__ = ["LOSS_CHUNK_BYTES", "PLAIN_HEADS", "causal_lm_loss", "loss_chunk", "supports_chunked_loss"]
+@contextlib.contextmanager
+def chunked_training_loss(lm: nn.Module):
+    """Inside the block, ``lm``'s forward in training mode with ``labels`` computes its loss by
+    :func:`_chunked_nll` (the same loss and gradients, one chunk's logits at a time) and returns no
+    logits; everything else (evaluation, no labels) runs the model's own forward. For trainers that
+    call the model with labels and read only the loss (``transformers.Trainer``'s training step,
+    including its ``num_items_in_batch`` normalisation under gradient accumulation) through any
+    wrapper that ends in ``lm.forward`` (PEFT, DDP). Nothing is changed for a model
+    :func:`supports_chunked_loss` refuses."""
+    if not supports_chunked_loss(lm):
+        yield False
+        return
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    own = lm.forward
+    had_own = "forward" in vars(lm)  # (an instance forward set before: put back afterwards)
+
+    @functools.wraps(own)  # (its signature: Trainer keeps the dataset columns the forward names)
+    def forward(*args, labels=None, **kwargs):
+        if labels is None or args or not lm.training:
+            return own(*args, labels=labels, **kwargs)
+        items = kwargs.pop("num_items_in_batch", None)
+        for unused in ("logits_to_keep", "return_dict", "use_cache", "past_key_values"):
+            kwargs.pop(unused, None)
+        hidden = lm.base_model(use_cache=False, **kwargs).last_hidden_state
+        total, count = _chunked_nll(lm.get_output_embeddings(), hidden, labels, None)
+        if items is None:  # ForCausalLMLoss: the mean over the predicted tokens, else their sum / num_items_in_batch
+            return CausalLMOutputWithPast(loss=total / count)
+        return CausalLMOutputWithPast(loss=total / (items.to(total.device) if torch.is_tensor(items) else items))
+
+    lm.forward = forward
+    try:
+        yield True
+    finally:
+        if had_own:
+            lm.forward = own
+        else:
+            del lm.forward  # the class's forward again
+
+
+__all__ = ["LOSS_CHUNK_BYTES", "PLAIN_HEADS", "causal_lm_loss", "chunked_training_loss", "loss_chunk", "supports_chunked_loss"]

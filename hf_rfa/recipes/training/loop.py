@@ -210,6 +210,21 @@ def evaluate(accelerator, model, dataloader, task: str, metric: tuple[str, ...] 
     return metrics
 
 
+def _training_loss(accelerator, model, model_args: ModelArguments, task: str):
+    """The causal LM's training loss one chunk of logits at a time (``--chunked_loss``,
+    :func:`hf_rfa.recipes.conversion.lm_loss.chunked_training_loss`), except for classifiers and
+    under FSDP or DeepSpeed (which gather the output head around the model's own forward)."""
+    import contextlib
+
+    from ..conversion.lm_loss import chunked_training_loss
+
+    sharded = str(accelerator.distributed_type).split(".")[-1] in ("FSDP", "DEEPSPEED")
+    if task != "causal-lm" or not model_args.chunked_loss or sharded:
+        return contextlib.nullcontext(False)
+    inner = accelerator.unwrap_model(model)
+    return chunked_training_loss(inner.get_base_model() if hasattr(inner, "get_base_model") else inner)
+
+
 def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArguments, args: LoopArguments, accelerator=None) -> dict:
     """Run the loop; returns (and writes to ``output_dir/results.json``) the final metrics."""
     from accelerate import Accelerator
@@ -279,59 +294,60 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         trim_log(log_path, state.completed_steps)
     progress = tqdm(total=max_steps, initial=state.completed_steps, desc="training", disable=args.disable_tqdm or not accelerator.is_local_main_process)
     fingerprints = check_projections_in_sync(accelerator, model)
-    model.train()
-    start = time.perf_counter()
-    micro_losses: list[torch.Tensor] = []
-    metrics: dict = {}
-    while state.completed_steps < max_steps:
-        if hasattr(train_dl, "set_epoch"):
-            train_dl.set_epoch(state.epoch)
-        skip = state.steps_in_epoch * args.gradient_accumulation_steps
-        loader = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
-        for batch in loader:
-            if rng_at_resume is not None:
-                torch.set_rng_state(rng_at_resume)
-                rng_at_resume = None
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            micro_losses.append(loss.detach().float())
-            del loss  # its spent graph must not stay alive through the next forward (peak memory)
-            if not accelerator.sync_gradients:
-                continue
-            step_loss = accelerator.reduce(torch.stack(micro_losses).mean(), "mean").item()
-            micro_losses.clear()
-            state.completed_steps += 1
-            state.steps_in_epoch += 1
-            state.losses.append(step_loss)
-            progress.update(1)
-            if interval and state.completed_steps % interval == 0:
-                state.redraw_step = state.completed_steps // interval
-                n = redraw(model, state.redraw_step)
-                fingerprints = check_projections_in_sync(accelerator, model)
-                logger.info("step %d: redrew %d feature maps (redraw step %d), identical on %d processes", state.completed_steps, n, state.redraw_step, accelerator.num_processes)
-            if state.completed_steps % args.logging_steps == 0:
-                record = {"step": state.completed_steps, "epoch": state.epoch, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "redraw_step": state.redraw_step}
-                progress.set_postfix(loss=f"{step_loss:.4f}")
-                logger.info("%s", record)
-                if accelerator.is_main_process:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-            if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
-                save_checkpoint(accelerator, state, os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.completed_steps}"))
-            if eval_dl is not None and args.eval_steps and state.completed_steps % args.eval_steps == 0:
-                metrics = evaluate(accelerator, model, eval_dl, data_args.task, data_args.metric, len(data.label_names or []) or None)
-                logger.info("step %d: %s", state.completed_steps, metrics)
-            if state.completed_steps >= max_steps:
-                break
-        else:
-            state.epoch += 1
-            state.steps_in_epoch = 0
+    with _training_loss(accelerator, model, model_args, data_args.task) as chunked_loss:  # (--chunked_loss)
+        model.train()
+        start = time.perf_counter()
+        micro_losses: list[torch.Tensor] = []
+        metrics: dict = {}
+        while state.completed_steps < max_steps:
+            if hasattr(train_dl, "set_epoch"):
+                train_dl.set_epoch(state.epoch)
+            skip = state.steps_in_epoch * args.gradient_accumulation_steps
+            loader = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
+            for batch in loader:
+                if rng_at_resume is not None:
+                    torch.set_rng_state(rng_at_resume)
+                    rng_at_resume = None
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                micro_losses.append(loss.detach().float())
+                del loss  # its spent graph must not stay alive through the next forward (peak memory)
+                if not accelerator.sync_gradients:
+                    continue
+                step_loss = accelerator.reduce(torch.stack(micro_losses).mean(), "mean").item()
+                micro_losses.clear()
+                state.completed_steps += 1
+                state.steps_in_epoch += 1
+                state.losses.append(step_loss)
+                progress.update(1)
+                if interval and state.completed_steps % interval == 0:
+                    state.redraw_step = state.completed_steps // interval
+                    n = redraw(model, state.redraw_step)
+                    fingerprints = check_projections_in_sync(accelerator, model)
+                    logger.info("step %d: redrew %d feature maps (redraw step %d), identical on %d processes", state.completed_steps, n, state.redraw_step, accelerator.num_processes)
+                if state.completed_steps % args.logging_steps == 0:
+                    record = {"step": state.completed_steps, "epoch": state.epoch, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "redraw_step": state.redraw_step}
+                    progress.set_postfix(loss=f"{step_loss:.4f}")
+                    logger.info("%s", record)
+                    if accelerator.is_main_process:
+                        with open(log_path, "a") as f:
+                            f.write(json.dumps(record) + "\n")
+                if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
+                    save_checkpoint(accelerator, state, os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.completed_steps}"))
+                if eval_dl is not None and args.eval_steps and state.completed_steps % args.eval_steps == 0:
+                    metrics = evaluate(accelerator, model, eval_dl, data_args.task, data_args.metric, len(data.label_names or []) or None)
+                    logger.info("step %d: %s", state.completed_steps, metrics)
+                if state.completed_steps >= max_steps:
+                    break
+            else:
+                state.epoch += 1
+                state.steps_in_epoch = 0
     progress.close()
     train_time = time.perf_counter() - start
 
@@ -346,6 +362,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         "distributed_type": str(accelerator.distributed_type),
         "projection_fingerprints": fingerprints,
         "train_seconds": train_time,
+        "chunked_loss": chunked_loss,
         **metrics,
     }
     accelerator.wait_for_everyone()

@@ -53,7 +53,9 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
     )
     results: dict = {}
     if training_args.do_train:
-        out = trainer.train(resume_from_checkpoint=trainer_resume(training_args.resume_from_checkpoint, training_args.output_dir))
+        with _training_loss(trainer, model, model_args, classification) as chunked_loss:
+            out = trainer.train(resume_from_checkpoint=trainer_resume(training_args.resume_from_checkpoint, training_args.output_dir))
+        results["chunked_loss"] = chunked_loss
         results.update(out.metrics)
         results["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         results["redraws"] = redraw_cb.redraws
@@ -85,6 +87,19 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
     # under it: "terminate called without an active exception", SIGABRT)
     trainer.accelerator.wait_for_everyone()
     return results
+
+
+def _training_loss(trainer, model, model_args: ModelArguments, classification: bool):
+    """The causal LM's training loss one chunk of logits at a time (``--chunked_loss``,
+    :func:`hf_rfa.recipes.conversion.lm_loss.chunked_training_loss`), except for classifiers and
+    under FSDP or DeepSpeed (which gather the output head around the model's own forward)."""
+    import contextlib
+
+    from ..conversion.lm_loss import chunked_training_loss
+
+    if classification or not model_args.chunked_loss or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        return contextlib.nullcontext(False)
+    return chunked_training_loss(model.get_base_model() if hasattr(model, "get_base_model") else model)
 
 
 def trainer_resume(resume: str | None, output_dir: str) -> str | None:
