@@ -9,6 +9,10 @@ time (:func:`loss_chunk`: 96 MiB of float32 logits), each chunk under activation
 forward and again in the backward: the same loss and the same gradients (the mean over the
 predicted tokens, as ``ForCausalLMLoss``), a little more compute (the head runs twice).
 
+The conversion's LoRA stage calls :func:`causal_lm_loss`; ``hf-rfa-finetune`` and ``hf-rfa-train``
+train through :func:`chunked_training_loss`, which gives the model's own forward this loss while
+training (``--chunked_loss``).
+
 Only for architectures whose forward is exactly ``decoder → lm_head → ForCausalLMLoss``
 (:data:`PLAIN_HEADS`); anything else (logit soft-capping, scaled logits, a custom loss) keeps the
 model's own loss. Under FSDP the LoRA stage calls it as a registered forward method of the sharded
