@@ -97,3 +97,24 @@ def test_gguf_cache_is_keyed_on_content(tmp_path, monkeypatch):
     out_b = pipeline.resolve_checkpoint(str(tmp_path / "b" / "model.gguf"))
     assert out_a != out_b and open(os.path.join(out_b, "config.json")).read() == "model B"
     assert pipeline.resolve_checkpoint(str(tmp_path / "a" / "model.gguf")) == out_a and len(calls) == 2  # cached
+
+
+def test_unreachable_hub_model_is_named_in_the_one_line_error(tmp_path, monkeypatch, capsys):
+    """A Hub id that cannot be fetched (offline, a typo) is one stderr line that names the id,
+    exit status 2 (transformers' own message names no model)."""
+    import transformers
+
+    from hf_rfa import cli
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.\nCheck your connection.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    text = tmp_path / "t.txt"
+    text.write_text("some text\n")
+    status = cli.convert_command(["--model", "someone/no-such-model", "--calibration-text", str(text), "--eval-text", str(text),
+                                  "--output", str(tmp_path / "out"), "--no-memory-check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert err[-1].startswith("hf-rfa-convert: error: model 'someone/no-such-model' could not be loaded: We couldn't connect")
+    assert not (tmp_path / "out").exists()
