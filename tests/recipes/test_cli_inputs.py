@@ -118,3 +118,16 @@ def test_unreachable_hub_model_is_named_in_the_one_line_error(tmp_path, monkeypa
     assert status == 2
     assert err[-1].startswith("hf-rfa-convert: error: model 'someone/no-such-model' could not be loaded: We couldn't connect")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("spec,allowed", [("rotten_tomatoes:tset", "rotten_tomatoes:train, rotten_tomatoes:test"),
+                                          ("wikipedia:evl", "wikipedia:calibration, wikipedia:train, wikipedia:eval"),
+                                          ("bbc_news:dev", "bbc_news:train, bbc_news:test")])
+def test_unknown_asset_split_names_the_source_and_the_splits(spec, allowed):
+    """A misspelt offline split is a ValueError naming it and the allowed ones (rotten_tomatoes
+    raised a bare KeyError), and the command refuses it before loading the model."""
+    for load in (evaluation.load_text, evaluation.load_labelled):
+        with pytest.raises(ValueError, match=f"text source '{spec}': unknown split .*expected one of {allowed}$"):
+            load(spec)
+    with pytest.raises(ValueError, match=f"^--eval-text: text source '{spec}'"):
+        pipeline.checks.check_inputs(ConversionConfig(model="someone/not-loaded", calibration_text="wikipedia:calibration", eval_text=spec))
