@@ -39,11 +39,23 @@ def auto_class(task: str):
     raise ValueError(f"task must be one of {sorted(PEFT_TASK)}, got {task!r}")
 
 
+def _named(flag: str, name: str, load):
+    """``load()``; an ``OSError`` (a Hub id that cannot be fetched, a folder without the files)
+    re-raised naming ``flag`` and ``name``: transformers' own message names neither."""
+    try:
+        return load()
+    except OSError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"{flag} {name!r} could not be loaded: {reason}") from e
+
+
 def load_tokenizer(model_args: ModelArguments):
     """The tokenizer, with a pad token (eos, else unk) when it has none."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    tok = _named(flag, name, lambda: AutoTokenizer.from_pretrained(name))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
         if tok.pad_token is None:
@@ -54,7 +66,7 @@ def load_tokenizer(model_args: ModelArguments):
 def is_converted_checkpoint(name_or_path: str) -> bool:
     from transformers import AutoConfig
 
-    return bool(getattr(AutoConfig.from_pretrained(name_or_path), CONFIG_ATTR, None))
+    return bool(getattr(_named("--model_name_or_path", name_or_path, lambda: AutoConfig.from_pretrained(name_or_path)), CONFIG_ATTR, None))
 
 
 def build_model(
