@@ -88,7 +88,7 @@ def linearize(
     preset: str = DEFAULT_PRESET,
     train_texts: str | Sequence[str] | None = None,
     tokenizer: Any = None,
-    progress: bool = False,
+    progress: bool = True,
     **settings: Any,
 ) -> nn.Module:
     """Convert ``model`` with ``preset`` and train it as ``hf-rfa-convert --preset`` does; returns it.
@@ -101,6 +101,8 @@ def linearize(
             ``name[:config]:split``) or a list of texts (causal LMs: joined by newlines). Needed
             unless the budgets are 0 (``transfer_tokens=0, lora_tokens=0``).
         tokenizer: the model's tokenizer (default: loaded from the model's name).
+        progress: progress bars of the training stages on stderr, as the command shows them (the
+            recall preset trains for minutes); ``False`` for none.
         settings: overrides, by field name, of ``RFAConfig`` (``window=128``) or of the command's
             ``ConversionConfig`` (``lora_tokens=0``, ``context=512``, ``memory_after_training=0``).
 
