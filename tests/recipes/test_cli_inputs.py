@@ -131,3 +131,30 @@ def test_unknown_asset_split_names_the_source_and_the_splits(spec, allowed):
             load(spec)
     with pytest.raises(ValueError, match=f"^--eval-text: text source '{spec}'"):
         pipeline.checks.check_inputs(ConversionConfig(model="someone/not-loaded", calibration_text="wikipedia:calibration", eval_text=spec))
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("conversion/convert.py", ["--model", "./no-such-model", "--calibration-text", "wikipedia:calibration", "--eval-text", "wikipedia:eval", "--output", "out"]),
+    ("conversion/evaluate.py", ["--model", "./no-such-model", "--task", "passkey"]),
+    ("conversion/main_job.py", ["--quick", "--output", "out", "--window", "-3"]),
+    ("training/finetune.py", ["--model_name_or_path", "m", "--task", "regression", "--train_file", "a.txt", "--output_dir", "o"]),
+    ("training/train_accelerate.py", ["--model_name_or_path", "m", "--task", "regression", "--train_file", "a.txt", "--output_dir", "o"]),
+])
+def test_repository_scripts_report_user_errors_as_the_commands_do(script, argv, tmp_path, monkeypatch, capsys):
+    """``python conversion/convert.py`` is the same command as ``hf-rfa-convert`` (and so on): a bad
+    input is one stderr line and exit status 2, not a traceback and status 1."""
+    import runpy
+    import sys
+
+    from hf_rfa import assets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(assets, "smollm2_path", lambda: tmp_path / "model")  # main_job's assets: not prepared here
+    monkeypatch.setattr(assets, "wikipedia_text_file", lambda split: tmp_path / f"{split}.txt")
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, os.path.dirname(script)), *sys.path])  # as `python <script>` puts it first
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2, last
+    assert last.startswith(f"{script}: error: ") and last.endswith("(--debug shows the traceback)"), last
