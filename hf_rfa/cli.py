@@ -11,7 +11,9 @@ own); ``--preset NAME`` (default ``recall``, :mod:`hf_rfa.presets`) gives every 
 default, and flags given explicitly override it; every flag takes either spelling
 (``--feature-map`` / ``--feature_map``).
 
-Each installed command prints its summary on stdout and exits 0 on success. A user error (a bad
+``hf-rfa-convert`` prints its results table and ``hf-rfa-evaluate`` one JSON line on stdout; the
+training commands log their results and write ``results.json`` in the output folder. Each exits 0
+on success (``hf-rfa-convert``: 1 when the ``--push-to-hub`` upload failed). A user error (a bad
 value, a missing file, a length the model cannot take) is one line on stderr naming the fix, exit
 status 2, no traceback; ``--debug`` shows the traceback instead.
 """
