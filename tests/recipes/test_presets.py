@@ -207,3 +207,12 @@ def test_linearize_shows_the_training_progress_by_default(tiny_dir, capsys):
     hf_rfa.linearize(tiny_dir["llama"], "recall", train_texts=tiny_dir["cal"], progress=False, **TINY_BUDGET)
     err = capsys.readouterr().err
     assert "attention transfer" not in err and "LoRA" not in err
+
+
+def test_linearize_of_a_model_built_in_code_asks_for_its_tokenizer(tiny_dir):
+    """A model object that was not loaded from a checkpoint has no name to load a tokenizer by:
+    the error says to pass ``tokenizer=`` (it was the Hub's error for the id 'LlamaForCausalLM')."""
+    from tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match="LlamaForCausalLM given was not loaded from a checkpoint.*pass tokenizer=$"):
+        hf_rfa.linearize(tiny_model("llama"), "recall", train_texts=tiny_dir["cal"], **TINY_BUDGET)

@@ -53,7 +53,13 @@ def _load(model: nn.Module | str, tokenizer: Any) -> tuple[nn.Module, Any, str, 
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        if not getattr(model.config, "_name_or_path", ""):
+            raise ValueError(f"the {name} given was not loaded from a checkpoint, so its tokenizer cannot be found: pass tokenizer=")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except OSError as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise OSError(f"the tokenizer of {name!r} could not be loaded ({reason}): pass tokenizer=") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, kind_of(model.config), name
