@@ -118,6 +118,27 @@ def test_bad_arguments_raise_value_error_naming_the_field(make, field):
         make()
 
 
+@pytest.mark.parametrize("command", ["finetune_command", "train_accelerate_command"])
+def test_unreachable_hub_model_is_named_in_the_one_line_error(assets, tmp_path, monkeypatch, capsys, command):
+    """A --model_name_or_path that cannot be fetched (offline, a typo) is one stderr line naming it,
+    exit status 2 (transformers' own message names no model)."""
+    from hf_rfa import cli
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.\nCheck your connection.")
+
+    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", offline)
+    monkeypatch.setattr(tf.AutoConfig, "from_pretrained", offline)
+    steps = "--max_steps" if command == "finetune_command" else "--max_train_steps"
+    argv = ["--model_name_or_path", "someone/no-such-model", "--task", "causal-lm", "--train_file", assets["train_txt"],
+            "--max_seq_length", "16", steps, "1", "--output_dir", str(tmp_path / "run")]
+    if command == "finetune_command":
+        argv += ["--use_cpu", "true", "--report_to", "none"]
+    assert getattr(cli, command)(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --model_name_or_path 'someone/no-such-model' could not be loaded: We couldn't connect" in last
+
+
 def test_metrics_are_offline_and_exact():
     assert accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
     assert perplexity(0.0) == 1.0 and perplexity(1e6) == float("inf")
@@ -456,24 +477,3 @@ def test_trainer_reports_the_metric_flag_with_offline_fallback(assets, tmp_path)
     assert res["eval_accuracy"] == M.accuracy(seen["p"], seen["r"])["accuracy"]
     with pytest.raises(ValueError, match="metric must name"):
         DataArguments(task="classification", train_file=assets["train_csv"], metric=[])
-
-
-@pytest.mark.parametrize("command", ["finetune_command", "train_accelerate_command"])
-def test_unreachable_hub_model_is_named_in_the_one_line_error(assets, tmp_path, monkeypatch, capsys, command):
-    """A --model_name_or_path that cannot be fetched (offline, a typo) is one stderr line naming it,
-    exit status 2 (transformers' own message names no model)."""
-    from hf_rfa import cli
-
-    def offline(*args, **kwargs):
-        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.\nCheck your connection.")
-
-    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", offline)
-    monkeypatch.setattr(tf.AutoConfig, "from_pretrained", offline)
-    steps = "--max_steps" if command == "finetune_command" else "--max_train_steps"
-    argv = ["--model_name_or_path", "someone/no-such-model", "--task", "causal-lm", "--train_file", assets["train_txt"],
-            "--max_seq_length", "16", steps, "1", "--output_dir", str(tmp_path / "run")]
-    if command == "finetune_command":
-        argv += ["--use_cpu", "true", "--report_to", "none"]
-    assert getattr(cli, command)(argv) == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "error: --model_name_or_path 'someone/no-such-model' could not be loaded: We couldn't connect" in last
