@@ -139,6 +139,20 @@ def test_unreachable_hub_model_is_named_in_the_one_line_error(assets, tmp_path, 
     assert "error: --model_name_or_path 'someone/no-such-model' could not be loaded: We couldn't connect" in last
 
 
+def test_default_preset_on_a_model_it_does_not_fit_names_the_fix(assets):
+    """The default preset (recall: un-rotated features, decay, memory) on a model without rotary
+    embeddings names the flag that fixes it, as hf-rfa-convert does; BERT got "use decay=0", and
+    with --decay 0 a second refusal about rotary embeddings."""
+    with pytest.raises(ValueError, match=r"--feature_input unrotated \(preset recall's, the default\) needs rotary .*: use --preset encoder$"):
+        build_model(ModelArguments(model_name_or_path=assets["bert"]), RFAArguments(), "classification", label_names=["neg", "pos"])
+    with pytest.raises(ValueError, match=r"needs rotary .*GPT2LMHeadModel.*: use --feature_input rotated$"):
+        build_model(ModelArguments(model_name_or_path=assets["gpt2"]), RFAArguments(), "causal-lm")
+    rotated = RFAArguments(rfa=hf_rfa.RFAConfig.from_preset("recall", feature_input="rotated"))
+    with pytest.raises(ValueError, match=r"^--decay needs causal attention, .*BertForSequenceClassification.*: use --preset encoder \(or --decay 0\)$"):
+        build_model(ModelArguments(model_name_or_path=assets["bert"]), rotated, "classification", label_names=["neg", "pos"])
+    assert hf_rfa.rfa_config_of(build_model(ModelArguments(model_name_or_path=assets["gpt2"]), rotated, "causal-lm")).feature_input == "rotated"
+
+
 def test_metrics_are_offline_and_exact():
     assert accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
     assert perplexity(0.0) == 1.0 and perplexity(1e6) == float("inf")

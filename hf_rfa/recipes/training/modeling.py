@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from ...config import CONFIG_ATTR
+from ...config import CONFIG_ATTR, RFAConfig
 from ...hf.convert import convert, from_pretrained, rfa_config_of
 from ...hf.loading import write_adapter_rfa_config
 from ...feature_maps import FeatureMap
@@ -69,6 +69,23 @@ def is_converted_checkpoint(name_or_path: str) -> bool:
     return bool(getattr(_named("--model_name_or_path", name_or_path, lambda: AutoConfig.from_pretrained(name_or_path)), CONFIG_ATTR, None))
 
 
+def _check_settings(target: RFAConfig, model: nn.Module, path: str, task: str) -> None:
+    """Refuse, with the flag that fixes it, settings of the default preset (recall) that ``model``
+    cannot take: un-rotated features without rotary embeddings, decay or memory on bidirectional
+    attention (encoders take ``--preset encoder``, GPT-2-style causal LMs ``--feature_input rotated``)."""
+    from ..conversion.checks import _bidirectional, _rotary
+
+    if target.feature_input == "unrotated" and not _rotary(model):
+        fix = "--feature_input rotated" if task == "causal-lm" and not _bidirectional(model) else "--preset encoder"
+        raise ValueError(f"--feature_input unrotated (preset recall's, the default) needs rotary position embeddings, which {path} "
+                         f"({type(model).__name__}) does not have: use {fix}")
+    if _bidirectional(model):
+        causal_only = [f for f, on in (("--decay", target.decay), ("--memory", target.memory)) if on]
+        if causal_only:
+            raise ValueError(f"{', '.join(causal_only)} {'needs' if len(causal_only) == 1 else 'need'} causal attention, but {path} "
+                             f"({type(model).__name__}) is bidirectional: use --preset encoder (or {' '.join(f + ' 0' for f in causal_only)})")
+
+
 def build_model(
     model_args: ModelArguments,
     rfa_args: RFAArguments,
@@ -95,7 +112,9 @@ def build_model(
         if rfa_args.is_softmax:
             logger.info("loaded %s with softmax attention (no conversion)", path)
         else:
-            convert(model, rfa_args.to_rfa_config())
+            target = rfa_args.to_rfa_config()
+            _check_settings(target, model, path, task)
+            convert(model, target)
     if tokenizer is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
