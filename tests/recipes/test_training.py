@@ -153,6 +153,25 @@ def test_default_preset_on_a_model_it_does_not_fit_names_the_fix(assets):
     assert hf_rfa.rfa_config_of(build_model(ModelArguments(model_name_or_path=assets["gpt2"]), rotated, "causal-lm")).feature_input == "rotated"
 
 
+def test_blocks_inside_the_window_warn_and_are_refused_under_ddp(assets, caplog):
+    """Causal-LM blocks no longer than the exact window train exact softmax: the learned maps get no
+    gradient, which DDP turns into "Expected to have finished reduction in the prior iteration" in
+    the Accelerate loop's second step; a warning alone, a ValueError naming the fix under DDP."""
+    from hf_rfa.recipes.training.modeling import check_window
+
+    rfa = RFAArguments(rfa=hf_rfa.RFAConfig.from_preset("recall", num_features=8, window=16, sinks=1, decay=16.0))
+    model = build_model(ModelArguments(model_name_or_path=assets["llama"]), rfa, "causal-lm")
+    with pytest.raises(ValueError, match=r"--window 16 >= --max_seq_length 16: .*use a --max_seq_length above 16$"):
+        check_window(model, "causal-lm", 16, ddp=True)
+    with caplog.at_level("WARNING", logger="hf_rfa.recipes.training.modeling"):
+        check_window(model, "causal-lm", 16, ddp=False)
+    assert any("feature maps get no gradient" in r.getMessage() for r in caplog.records)
+    check_window(model, "causal-lm", 32, ddp=True)  # longer blocks reach the features: nothing to say
+    lora = apply_lora(model, ModelArguments(model_name_or_path=assets["llama"], lora_r=4), "causal-lm")
+    with pytest.raises(ValueError, match="DDP refuses"):
+        check_window(lora, "causal-lm", 8, ddp=True)  # the maps train in LoRA's modules_to_save too
+
+
 def test_metrics_are_offline_and_exact():
     assert accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
     assert perplexity(0.0) == 1.0 and perplexity(1e6) == float("inf")

@@ -120,6 +120,21 @@ def build_model(
     return model
 
 
+def check_window(model: nn.Module, task: str, max_seq_length: int, ddp: bool) -> None:
+    """Causal-LM blocks no longer than the exact window run exact softmax, so the learned feature
+    maps get no gradient: a warning, and under DDP (which refuses trained parameters without a
+    gradient, in the Accelerate loop's second step) a ``ValueError`` naming the fix."""
+    cfg = rfa_config_of(model)
+    if cfg is None or task != "causal-lm" or not cfg.window or cfg.window < max_seq_length:
+        return
+    learned = [n for n, p in model.named_parameters() if p.requires_grad and ".rfa." in f".{n}."]
+    message = (f"--window {cfg.window} >= --max_seq_length {max_seq_length}: every key is inside the exact window, so training runs "
+               "exact softmax attention and the feature maps get no gradient")
+    if ddp and learned:
+        raise ValueError(f"{message}; DDP refuses trained parameters without a gradient: use a --max_seq_length above {cfg.window}")
+    logger.warning("%s", message)
+
+
 def apply_lora(model: nn.Module, model_args: ModelArguments, task: str) -> nn.Module:
     """Wrap ``model`` in PEFT LoRA (rank ``lora_r``) with the feature maps in ``modules_to_save``."""
     from peft import get_peft_model
