@@ -10,7 +10,7 @@ Text sources: a file, ``wikipedia:<calibration|train|eval>`` / ``rotten_tomatoes
 ``hf-rfa-convert``).
 """
 
-from hf_rfa.cli import _interrupt, config_from_args, convert_main as main, convert_parser as parser  # noqa: F401
+from hf_rfa.cli import _command, _interrupt, config_from_args, convert_main as main, convert_parser as parser  # noqa: F401
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(_command(main, "conversion/convert.py")())  # a user error: one line, status 2, as the installed command

@@ -10,7 +10,7 @@ Converted folders (``rfa_config`` in config.json) load with ``hf_rfa.from_pretra
 Standard non-overlapping windows; ``tokens`` is the number of predicted tokens.
 """
 
-from hf_rfa.cli import evaluate_main as main  # noqa: F401
+from hf_rfa.cli import _command, evaluate_main as main  # noqa: F401
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(_command(main, "conversion/evaluate.py")())  # a user error: one line, status 2, as the installed command

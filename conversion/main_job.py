@@ -158,4 +158,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hf_rfa.cli import _command
+
+    raise SystemExit(_command(main, "conversion/main_job.py")())  # a user error: one line, status 2, as hf-rfa-convert

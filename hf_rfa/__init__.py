@@ -57,7 +57,7 @@ from .hub.export import export, push_to_hub  # noqa: E402
 
 def linearize(
     model: "torch.nn.Module | str", preset: str = "recall", train_texts: "str | list[str] | None" = None,
-    tokenizer: "object" = None, progress: bool = False, **settings: "object",
+    tokenizer: "object" = None, progress: bool = True, **settings: "object",
 ) -> "torch.nn.Module":
     """Convert and train ``model`` as ``hf-rfa-convert --preset`` does (convert → attention transfer →
     LoRA → exact memory), without its evaluation and export; see

@@ -11,7 +11,9 @@ own); ``--preset NAME`` (default ``recall``, :mod:`hf_rfa.presets`) gives every 
 default, and flags given explicitly override it; every flag takes either spelling
 (``--feature-map`` / ``--feature_map``).
 
-Each installed command prints its summary on stdout and exits 0 on success. A user error (a bad
+``hf-rfa-convert`` prints its results table and ``hf-rfa-evaluate`` one JSON line on stdout; the
+training commands log their results and write ``results.json`` in the output folder. Each exits 0
+on success (``hf-rfa-convert``: 1 when the ``--push-to-hub`` upload failed). A user error (a bad
 value, a missing file, a length the model cannot take) is one line on stderr naming the fix, exit
 status 2, no traceback; ``--debug`` shows the traceback instead.
 """
@@ -59,20 +61,23 @@ def _command(main, prog: str):
     """An installed command around ``main``: the console-script wrapper calls ``sys.exit(command())``,
     so the command returns 0 on success (``main`` itself returns its report for Python callers; a dict
     given to ``sys.exit`` would be printed to stderr and exit with status 1). A user error
-    (:data:`USER_ERRORS`) becomes one line on stderr and status 2, unless ``--debug`` is given."""
+    (:data:`USER_ERRORS`) becomes one line on stderr and status 2, unless ``--debug`` is given; a
+    report whose ``--push-to-hub`` upload failed (``push_error``: the folder is kept) status 1."""
 
     def command(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = DEBUG_FLAG in argv
         argv = [a for a in argv if a != DEBUG_FLAG]
         try:
-            main(argv)
+            result = main(argv)
         except USER_ERRORS as e:
             if debug:
                 raise
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"{prog}: error: {message} (--debug shows the traceback)", file=sys.stderr)
             return 2
+        if isinstance(result, dict) and result.get("push_error"):
+            return 1  # the folder is complete and kept, but the upload asked for did not happen
         return 0
 
     command.__name__ = command.__qualname__ = f"{main.__name__}_command"

@@ -14,7 +14,7 @@ dataset). Starts from an original checkpoint (converted on the fly with ``--feat
 All logic lives in :mod:`hf_rfa.recipes.training` (flags: :mod:`hf_rfa.cli`, installed as ``hf-rfa-finetune``); see training/README.md.
 """
 
-from hf_rfa.cli import finetune_main as main  # noqa: F401
+from hf_rfa.cli import _command, finetune_main as main  # noqa: F401
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(_command(main, "training/finetune.py")())  # a user error: one line, status 2, as the installed command

@@ -14,7 +14,7 @@ Same tasks and model options as ``finetune.py``; adds gradient accumulation, mix
 All logic lives in :mod:`hf_rfa.recipes.training.loop` (flags: :mod:`hf_rfa.cli`, installed as ``hf-rfa-train``); see training/README.md.
 """
 
-from hf_rfa.cli import train_accelerate_main as main  # noqa: F401
+from hf_rfa.cli import _command, train_accelerate_main as main  # noqa: F401
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(_command(main, "training/train_accelerate.py")())  # a user error: one line, status 2, as the installed command

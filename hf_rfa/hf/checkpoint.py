@@ -109,7 +109,11 @@ def _resolve_dir(name_or_path: str, **hub_kwargs) -> str:
         return name_or_path
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs)
+    try:
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs)
+    except (OSError, ValueError) as e:  # the Hub's message names no folder (offline) or speaks of repo ids (a path)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"{name_or_path!r} is not a local folder, and as a Hub id it could not be loaded: {reason}") from e
 
 
 def load_rfa_state(model: nn.Module, path: str) -> None:

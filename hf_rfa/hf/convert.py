@@ -157,6 +157,7 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
         model: a transformers ``PreTrainedModel`` whose attention uses the attention interface.
         config: an :class:`RFAConfig` (default ``RFAConfig()``); ``**overrides`` edit its fields.
     Raises:
+        TypeError: ``config`` is not an :class:`RFAConfig` (a preset name: ``RFAConfig.from_preset(name)``).
         ValueError: the model has no attention on transformers' attention interface (names its
             class), ``config.layers`` names layers the model does not have, or a layer to convert
             uses something the feature attention drops (a sliding window, logit soft-capping,
@@ -164,6 +165,9 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
             Cross-attention is never converted (it stays exact).
     """
     register()
+    if config is not None and not isinstance(config, RFAConfig):
+        hint = f"hf_rfa.RFAConfig.from_preset({config!r})" if isinstance(config, str) else "hf_rfa.RFAConfig(...)"
+        raise TypeError(f"config must be an RFAConfig, got {type(config).__name__} {config!r}: pass {hint}")
     if config is None:
         config = RFAConfig(**overrides)
     elif overrides:

@@ -145,14 +145,28 @@ def with_offline_tasks(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hf-rfa-lm-eval``: lm-eval's command line with ``--model hf_rfa`` and the offline tasks."""
+    """``hf-rfa-lm-eval``: lm-eval's command line with ``--model hf_rfa`` and the offline tasks.
+
+    Returns 0 on success. A user error (``ValueError`` / ``OSError``: a folder never converted, an
+    unknown task, a missing model) is one line on stderr and status 2, as the other hf_rfa
+    commands do; ``--debug`` (taken out before lm-eval parses) shows the traceback instead."""
     from lm_eval.__main__ import cli_evaluate
 
-    args = with_offline_tasks(list(sys.argv[1:] if argv is None else argv))
+    from ..cli import DEBUG_FLAG, USER_ERRORS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv
+    args = with_offline_tasks([a for a in argv if a != DEBUG_FLAG])
     old = sys.argv
     sys.argv = [old[0] if old else "hf-rfa-lm-eval", *args]
     try:
         cli_evaluate()
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"hf-rfa-lm-eval: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 2
     finally:
         sys.argv = old
     return 0

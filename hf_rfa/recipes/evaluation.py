@@ -45,6 +45,17 @@ def looks_like_path(spec: str) -> bool:
     )
 
 
+def check_asset_split(spec: str) -> None:
+    """ValueError naming ``spec`` when it is an offline asset (``wikipedia:``, ``rotten_tomatoes:``,
+    ``bbc_news:``) with a split the asset does not have; anything else passes."""
+    from ..assets.store import BBC_SPLITS, RT_SPLITS, WIKIPEDIA_SPLITS
+
+    name, _, split = spec.partition(":")
+    allowed = {"wikipedia": WIKIPEDIA_SPLITS, "rotten_tomatoes": RT_SPLITS, "bbc_news": BBC_SPLITS}.get(name)
+    if allowed is not None and not os.path.isfile(spec) and split not in allowed:
+        raise ValueError(f"text source {spec!r}: unknown split {split!r}; expected one of {', '.join(f'{name}:{a}' for a in allowed)}")
+
+
 def _read_file(path: str, newline: str | None = None) -> str:
     """The UTF-8 text of ``path``; ValueError naming the file when it is not UTF-8."""
     try:
@@ -84,6 +95,7 @@ def load_text(spec: str) -> str:
                 _nonempty(spec, "")
             return "".join(load_local(spec, sample_by="document", what="text file")["text"])
         return "\n".join(_nonempty(spec, load_labelled(spec)[0]))
+    check_asset_split(spec)
     if spec.startswith("wikipedia:"):
         from .. import assets
 
@@ -116,6 +128,7 @@ def load_labelled(spec: str) -> tuple[list[str], list[int] | None]:
             raise
         texts, labels = _labelled(ds, spec)
         return _nonempty(spec, texts), labels
+    check_asset_split(spec)
     if spec.startswith("rotten_tomatoes:"):
         from .. import assets
 

@@ -48,3 +48,22 @@ def test_truncated_safetensors_is_named(tmp_path):
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(ValueError, match=r"model\.safetensors is truncated"):
         hf_rfa.from_pretrained(str(path), tf.AutoModelForCausalLM)
+
+
+def test_missing_folder_or_unreachable_hub_id_is_named(tmp_path, monkeypatch):
+    """``hf_rfa.from_pretrained`` of a folder that is not there (an absolute path, or a relative one
+    that is also a valid Hub id, offline) names what it was given, not only the Hub's repo-id rules."""
+    import huggingface_hub
+
+    import hf_rfa
+
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(OSError, match=f"^'{missing}' is not a local folder, and as a Hub id it could not be loaded: "):
+        hf_rfa.from_pretrained(missing)
+
+    def offline(*args, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder for the specified revision on the local disk")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(OSError, match="^'out/smollm2-rfa' is not a local folder, and as a Hub id it could not be loaded: Cannot find"):
+        hf_rfa.from_pretrained("out/smollm2-rfa")

@@ -332,3 +332,13 @@ def test_redraw_callback_with_trainer(tmp_path):
     hf_rfa.redraw(fresh, 2)
     for a, b in zip(fms, hf_rfa.model_feature_maps(fresh)):
         assert torch.equal(a.omega, b.omega)
+
+
+@pytest.mark.parametrize("config,hint", [("recall", r"hf_rfa\.RFAConfig\.from_preset\('recall'\)"), ({"window": 4}, r"hf_rfa\.RFAConfig\(\.\.\.\)")])
+def test_convert_names_a_config_that_is_not_an_rfa_config(config, hint):
+    """``hf_rfa.convert(model, "recall")`` (a preset name, as linearize takes) says what to pass;
+    it raised ``AttributeError: 'str' object has no attribute 'layers'``."""
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=f"config must be an RFAConfig, got {type(config).__name__} .*: pass {hint}$"):
+        hf_rfa.convert(model, config)
+    assert not hf_rfa.hf.cache.uses_rfa(model)

@@ -97,3 +97,64 @@ def test_gguf_cache_is_keyed_on_content(tmp_path, monkeypatch):
     out_b = pipeline.resolve_checkpoint(str(tmp_path / "b" / "model.gguf"))
     assert out_a != out_b and open(os.path.join(out_b, "config.json")).read() == "model B"
     assert pipeline.resolve_checkpoint(str(tmp_path / "a" / "model.gguf")) == out_a and len(calls) == 2  # cached
+
+
+def test_unreachable_hub_model_is_named_in_the_one_line_error(tmp_path, monkeypatch, capsys):
+    """A Hub id that cannot be fetched (offline, a typo) is one stderr line that names the id,
+    exit status 2 (transformers' own message names no model)."""
+    import transformers
+
+    from hf_rfa import cli
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.\nCheck your connection.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    text = tmp_path / "t.txt"
+    text.write_text("some text\n")
+    status = cli.convert_command(["--model", "someone/no-such-model", "--calibration-text", str(text), "--eval-text", str(text),
+                                  "--output", str(tmp_path / "out"), "--no-memory-check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert err[-1].startswith("hf-rfa-convert: error: model 'someone/no-such-model' could not be loaded: We couldn't connect")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("spec,allowed", [("rotten_tomatoes:tset", "rotten_tomatoes:train, rotten_tomatoes:test"),
+                                          ("wikipedia:evl", "wikipedia:calibration, wikipedia:train, wikipedia:eval"),
+                                          ("bbc_news:dev", "bbc_news:train, bbc_news:test")])
+def test_unknown_asset_split_names_the_source_and_the_splits(spec, allowed):
+    """A misspelt offline split is a ValueError naming it and the allowed ones (rotten_tomatoes
+    raised a bare KeyError), and the command refuses it before loading the model."""
+    for load in (evaluation.load_text, evaluation.load_labelled):
+        with pytest.raises(ValueError, match=f"text source '{spec}': unknown split .*expected one of {allowed}$"):
+            load(spec)
+    with pytest.raises(ValueError, match=f"^--eval-text: text source '{spec}'"):
+        pipeline.checks.check_inputs(ConversionConfig(model="someone/not-loaded", calibration_text="wikipedia:calibration", eval_text=spec))
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("conversion/convert.py", ["--model", "./no-such-model", "--calibration-text", "wikipedia:calibration", "--eval-text", "wikipedia:eval", "--output", "out"]),
+    ("conversion/evaluate.py", ["--model", "./no-such-model", "--task", "passkey"]),
+    ("conversion/main_job.py", ["--quick", "--output", "out", "--window", "-3"]),
+    ("training/finetune.py", ["--model_name_or_path", "m", "--task", "regression", "--train_file", "a.txt", "--output_dir", "o"]),
+    ("training/train_accelerate.py", ["--model_name_or_path", "m", "--task", "regression", "--train_file", "a.txt", "--output_dir", "o"]),
+])
+def test_repository_scripts_report_user_errors_as_the_commands_do(script, argv, tmp_path, monkeypatch, capsys):
+    """``python conversion/convert.py`` is the same command as ``hf-rfa-convert`` (and so on): a bad
+    input is one stderr line and exit status 2, not a traceback and status 1."""
+    import runpy
+    import sys
+
+    from hf_rfa import assets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(assets, "smollm2_path", lambda: tmp_path / "model")  # main_job's assets: not prepared here
+    monkeypatch.setattr(assets, "wikipedia_text_file", lambda split: tmp_path / f"{split}.txt")
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, os.path.dirname(script)), *sys.path])  # as `python <script>` puts it first
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2, last
+    assert last.startswith(f"{script}: error: ") and last.endswith("(--debug shows the traceback)"), last

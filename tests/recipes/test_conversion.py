@@ -538,3 +538,19 @@ def test_a_run_reports_each_stage_peak_rss_next_to_the_plan(tiny_dir, tmp_path):
         assert {"load", "attention_transfer", "lora"} <= set(peaks) and all(v > 2**20 for v in peaks.values())
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["memory"] == mem
+
+
+def test_failed_push_exits_1_and_keeps_the_folder(tiny_dir, tmp_path, monkeypatch, capsys):
+    """``hf-rfa-convert --push-to-hub`` whose upload fails keeps the complete folder, prints how to
+    upload it, and exits 1 (it exited 0, as if the model were on the Hub)."""
+    from hf_rfa import cli
+
+    def offline(*args, **kwargs):
+        raise OSError("Connection refused")
+
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo", offline)
+    out = tmp_path / "out"
+    assert cli.convert_command(_args(tiny_dir, "llama", out, "--push-to-hub", "me/tiny-rfa", "--generate-tokens", "0")) == 1
+    assert "hf upload me/tiny-rfa" in capsys.readouterr().out
+    assert (out / "model.safetensors").is_file() and (out / "report.json").is_file()
+    assert cli.convert_command(_args(tiny_dir, "llama", tmp_path / "out2", "--generate-tokens", "0")) == 0  # no push asked: 0

@@ -196,3 +196,23 @@ def test_evaluate_refuses_a_context_beyond_learned_positions(tiny_dir, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--context: perplexity needs {limit + 1} tokens but" in err and f"has {limit} learned positions" in err and "Traceback" not in err
+
+
+def test_linearize_shows_the_training_progress_by_default(tiny_dir, capsys):
+    """``hf_rfa.linearize`` trains for minutes with the recall preset's budgets: its stages show
+    their progress bars as the command's do, unless ``progress=False``."""
+    hf_rfa.linearize(tiny_dir["llama"], "recall", train_texts=tiny_dir["cal"], **TINY_BUDGET)
+    err = capsys.readouterr().err
+    assert "attention transfer" in err and "LoRA" in err
+    hf_rfa.linearize(tiny_dir["llama"], "recall", train_texts=tiny_dir["cal"], progress=False, **TINY_BUDGET)
+    err = capsys.readouterr().err
+    assert "attention transfer" not in err and "LoRA" not in err
+
+
+def test_linearize_of_a_model_built_in_code_asks_for_its_tokenizer(tiny_dir):
+    """A model object that was not loaded from a checkpoint has no name to load a tokenizer by:
+    the error says to pass ``tokenizer=`` (it was the Hub's error for the id 'LlamaForCausalLM')."""
+    from tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match="LlamaForCausalLM given was not loaded from a checkpoint.*pass tokenizer=$"):
+        hf_rfa.linearize(tiny_model("llama"), "recall", train_texts=tiny_dir["cal"], **TINY_BUDGET)

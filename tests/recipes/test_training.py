@@ -118,6 +118,60 @@ def test_bad_arguments_raise_value_error_naming_the_field(make, field):
         make()
 
 
+@pytest.mark.parametrize("command", ["finetune_command", "train_accelerate_command"])
+def test_unreachable_hub_model_is_named_in_the_one_line_error(assets, tmp_path, monkeypatch, capsys, command):
+    """A --model_name_or_path that cannot be fetched (offline, a typo) is one stderr line naming it,
+    exit status 2 (transformers' own message names no model)."""
+    from hf_rfa import cli
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.\nCheck your connection.")
+
+    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", offline)
+    monkeypatch.setattr(tf.AutoConfig, "from_pretrained", offline)
+    steps = "--max_steps" if command == "finetune_command" else "--max_train_steps"
+    argv = ["--model_name_or_path", "someone/no-such-model", "--task", "causal-lm", "--train_file", assets["train_txt"],
+            "--max_seq_length", "16", steps, "1", "--output_dir", str(tmp_path / "run")]
+    if command == "finetune_command":
+        argv += ["--use_cpu", "true", "--report_to", "none"]
+    assert getattr(cli, command)(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --model_name_or_path 'someone/no-such-model' could not be loaded: We couldn't connect" in last
+
+
+def test_default_preset_on_a_model_it_does_not_fit_names_the_fix(assets):
+    """The default preset (recall: un-rotated features, decay, memory) on a model without rotary
+    embeddings names the flag that fixes it, as hf-rfa-convert does; BERT got "use decay=0", and
+    with --decay 0 a second refusal about rotary embeddings."""
+    with pytest.raises(ValueError, match=r"--feature_input unrotated \(preset recall's, the default\) needs rotary .*: use --preset encoder$"):
+        build_model(ModelArguments(model_name_or_path=assets["bert"]), RFAArguments(), "classification", label_names=["neg", "pos"])
+    with pytest.raises(ValueError, match=r"needs rotary .*GPT2LMHeadModel.*: use --feature_input rotated$"):
+        build_model(ModelArguments(model_name_or_path=assets["gpt2"]), RFAArguments(), "causal-lm")
+    rotated = RFAArguments(rfa=hf_rfa.RFAConfig.from_preset("recall", feature_input="rotated"))
+    with pytest.raises(ValueError, match=r"^--decay needs causal attention, .*BertForSequenceClassification.*: use --preset encoder \(or --decay 0\)$"):
+        build_model(ModelArguments(model_name_or_path=assets["bert"]), rotated, "classification", label_names=["neg", "pos"])
+    assert hf_rfa.rfa_config_of(build_model(ModelArguments(model_name_or_path=assets["gpt2"]), rotated, "causal-lm")).feature_input == "rotated"
+
+
+def test_blocks_inside_the_window_warn_and_are_refused_under_ddp(assets, caplog):
+    """Causal-LM blocks no longer than the exact window train exact softmax: the learned maps get no
+    gradient, which DDP turns into "Expected to have finished reduction in the prior iteration" in
+    the Accelerate loop's second step; a warning alone, a ValueError naming the fix under DDP."""
+    from hf_rfa.recipes.training.modeling import check_window
+
+    rfa = RFAArguments(rfa=hf_rfa.RFAConfig.from_preset("recall", num_features=8, window=16, sinks=1, decay=16.0))
+    model = build_model(ModelArguments(model_name_or_path=assets["llama"]), rfa, "causal-lm")
+    with pytest.raises(ValueError, match=r"--window 16 >= --max_seq_length 16: .*use a --max_seq_length above 16$"):
+        check_window(model, "causal-lm", 16, ddp=True)
+    with caplog.at_level("WARNING", logger="hf_rfa.recipes.training.modeling"):
+        check_window(model, "causal-lm", 16, ddp=False)
+    assert any("feature maps get no gradient" in r.getMessage() for r in caplog.records)
+    check_window(model, "causal-lm", 32, ddp=True)  # longer blocks reach the features: nothing to say
+    lora = apply_lora(model, ModelArguments(model_name_or_path=assets["llama"], lora_r=4), "causal-lm")
+    with pytest.raises(ValueError, match="DDP refuses"):
+        check_window(lora, "causal-lm", 8, ddp=True)  # the maps train in LoRA's modules_to_save too
+
+
 def test_metrics_are_offline_and_exact():
     assert accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
     assert perplexity(0.0) == 1.0 and perplexity(1e6) == float("inf")

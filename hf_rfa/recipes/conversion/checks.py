@@ -35,6 +35,11 @@ def check_inputs(cfg: ConversionConfig) -> None:
         value = getattr(cfg, name)
         if value and evaluation.looks_like_path(value) and not os.path.exists(os.path.expanduser(value)):
             raise ValueError(f"{_flag(name)} {value!r}: no such file (give {_TEXT_FORMS})")
+        if value:
+            try:
+                evaluation.check_asset_split(value)
+            except ValueError as e:
+                raise ValueError(f"{_flag(name)}: {e}") from None
     if evaluation.looks_like_path(cfg.model) and not os.path.exists(os.path.expanduser(cfg.model)):
         raise ValueError(f"--model {cfg.model!r}: no such folder or file (give a local folder, a .gguf file or a Hub id such as 'org/name')")
 

@@ -53,7 +53,13 @@ def _load(model: nn.Module | str, tokenizer: Any) -> tuple[nn.Module, Any, str, 
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        if not getattr(model.config, "_name_or_path", ""):
+            raise ValueError(f"the {name} given was not loaded from a checkpoint, so its tokenizer cannot be found: pass tokenizer=")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except OSError as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise OSError(f"the tokenizer of {name!r} could not be loaded ({reason}): pass tokenizer=") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, kind_of(model.config), name
@@ -88,7 +94,7 @@ def linearize(
     preset: str = DEFAULT_PRESET,
     train_texts: str | Sequence[str] | None = None,
     tokenizer: Any = None,
-    progress: bool = False,
+    progress: bool = True,
     **settings: Any,
 ) -> nn.Module:
     """Convert ``model`` with ``preset`` and train it as ``hf-rfa-convert --preset`` does; returns it.
@@ -101,6 +107,8 @@ def linearize(
             ``name[:config]:split``) or a list of texts (causal LMs: joined by newlines). Needed
             unless the budgets are 0 (``transfer_tokens=0, lora_tokens=0``).
         tokenizer: the model's tokenizer (default: loaded from the model's name).
+        progress: progress bars of the training stages on stderr, as the command shows them (the
+            recall preset trains for minutes); ``False`` for none.
         settings: overrides, by field name, of ``RFAConfig`` (``window=128``) or of the command's
             ``ConversionConfig`` (``lora_tokens=0``, ``context=512``, ``memory_after_training=0``).
 

@@ -78,7 +78,11 @@ def load_model(
     devices.check_attn_implementation(attn_implementation, None if device_map else dev)
     kwargs = devices.load_kwargs(dtype, dev, device_map)
     path = resolve_checkpoint(spec)
-    cfg = AutoConfig.from_pretrained(path)
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except OSError as e:  # transformers' message names no model: say which one could not be read
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"model {spec!r} could not be loaded: {reason}") from e
     kind = kind_of(cfg)
     cls = {CAUSAL_LM: transformers.AutoModelForCausalLM, CLASSIFIER: transformers.AutoModelForSequenceClassification, ENCODER: transformers.AutoModel}[kind]
     if getattr(cfg, CONFIG_ATTR, None):

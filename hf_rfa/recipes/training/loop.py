@@ -34,7 +34,7 @@ from ...hf.convert import redraw, rfa_config_of
 from .args import DataArguments, LoopArguments, ModelArguments, RFAArguments
 from .data import prepare
 from .metrics import classification_metrics_for, perplexity
-from .modeling import apply_lora, build_model, load_tokenizer, projection_fingerprint, save_final
+from .modeling import apply_lora, build_model, check_window, load_tokenizer, projection_fingerprint, save_final
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +252,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArg
         # transformers >= 5.25 names it activation checkpointing (the old name warns)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     owner = _unwrapped_config_owner(model)
+    if args.do_train:
+        check_window(model, data_args.task, data_args.max_seq_length, ddp=str(accelerator.distributed_type).split(".")[-1] in ("MULTI_CPU", "MULTI_GPU"))
     rfa_cfg = rfa_config_of(owner)
     interval = rfa_cfg.redraw_interval if rfa_cfg else 0
 

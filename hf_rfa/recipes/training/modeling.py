@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from ...config import CONFIG_ATTR
+from ...config import CONFIG_ATTR, RFAConfig
 from ...hf.convert import convert, from_pretrained, rfa_config_of
 from ...hf.loading import write_adapter_rfa_config
 from ...feature_maps import FeatureMap
@@ -39,11 +39,23 @@ def auto_class(task: str):
     raise ValueError(f"task must be one of {sorted(PEFT_TASK)}, got {task!r}")
 
 
+def _named(flag: str, name: str, load):
+    """``load()``; an ``OSError`` (a Hub id that cannot be fetched, a folder without the files)
+    re-raised naming ``flag`` and ``name``: transformers' own message names neither."""
+    try:
+        return load()
+    except OSError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"{flag} {name!r} could not be loaded: {reason}") from e
+
+
 def load_tokenizer(model_args: ModelArguments):
     """The tokenizer, with a pad token (eos, else unk) when it has none."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    tok = _named(flag, name, lambda: AutoTokenizer.from_pretrained(name))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
         if tok.pad_token is None:
@@ -54,7 +66,24 @@ def load_tokenizer(model_args: ModelArguments):
 def is_converted_checkpoint(name_or_path: str) -> bool:
     from transformers import AutoConfig
 
-    return bool(getattr(AutoConfig.from_pretrained(name_or_path), CONFIG_ATTR, None))
+    return bool(getattr(_named("--model_name_or_path", name_or_path, lambda: AutoConfig.from_pretrained(name_or_path)), CONFIG_ATTR, None))
+
+
+def _check_settings(target: RFAConfig, model: nn.Module, path: str, task: str) -> None:
+    """Refuse, with the flag that fixes it, settings of the default preset (recall) that ``model``
+    cannot take: un-rotated features without rotary embeddings, decay or memory on bidirectional
+    attention (encoders take ``--preset encoder``, GPT-2-style causal LMs ``--feature_input rotated``)."""
+    from ..conversion.checks import _bidirectional, _rotary
+
+    if target.feature_input == "unrotated" and not _rotary(model):
+        fix = "--feature_input rotated" if task == "causal-lm" and not _bidirectional(model) else "--preset encoder"
+        raise ValueError(f"--feature_input unrotated (preset recall's, the default) needs rotary position embeddings, which {path} "
+                         f"({type(model).__name__}) does not have: use {fix}")
+    if _bidirectional(model):
+        causal_only = [f for f, on in (("--decay", target.decay), ("--memory", target.memory)) if on]
+        if causal_only:
+            raise ValueError(f"{', '.join(causal_only)} {'needs' if len(causal_only) == 1 else 'need'} causal attention, but {path} "
+                             f"({type(model).__name__}) is bidirectional: use --preset encoder (or {' '.join(f + ' 0' for f in causal_only)})")
 
 
 def build_model(
@@ -83,10 +112,27 @@ def build_model(
         if rfa_args.is_softmax:
             logger.info("loaded %s with softmax attention (no conversion)", path)
         else:
-            convert(model, rfa_args.to_rfa_config())
+            target = rfa_args.to_rfa_config()
+            _check_settings(target, model, path, task)
+            convert(model, target)
     if tokenizer is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def check_window(model: nn.Module, task: str, max_seq_length: int, ddp: bool) -> None:
+    """Causal-LM blocks no longer than the exact window run exact softmax, so the learned feature
+    maps get no gradient: a warning, and under DDP (which refuses trained parameters without a
+    gradient, in the Accelerate loop's second step) a ``ValueError`` naming the fix."""
+    cfg = rfa_config_of(model)
+    if cfg is None or task != "causal-lm" or not cfg.window or cfg.window < max_seq_length:
+        return
+    learned = [n for n, p in model.named_parameters() if p.requires_grad and ".rfa." in f".{n}."]
+    message = (f"--window {cfg.window} >= --max_seq_length {max_seq_length}: every key is inside the exact window, so training runs "
+               "exact softmax attention and the feature maps get no gradient")
+    if ddp and learned:
+        raise ValueError(f"{message}; DDP refuses trained parameters without a gradient: use a --max_seq_length above {cfg.window}")
+    logger.warning("%s", message)
 
 
 def apply_lora(model: nn.Module, model_args: ModelArguments, task: str) -> nn.Module:
