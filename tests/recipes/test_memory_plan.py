@@ -334,8 +334,8 @@ print(memory_plan.tokenizer_bytes(sys.argv[1]), memory_plan.tokenizer_bytes(sys.
 def test_a_cpu_plan_counts_the_tokenizer_it_can_load_without_a_download(tiny_llama):
     """Loading SmolLM2's tokenizer (49k vocabulary, its merges, the modules it imports) adds tens of
     MiB to a process (measured in a fresh one: about 0.1 GiB); a folder without tokenizer files
-    counts nothing. A CPU plan whose runtime it measures itself has the part; one given the
-    runtime does not, unless given the tokenizer's too."""
+    counts nothing. A dry run's CPU plan whose runtime it measures itself has the part; one given
+    the runtime does not, unless given the tokenizer's too, nor does a run's own check."""
     import subprocess
     import sys
 
@@ -345,6 +345,7 @@ def test_a_cpu_plan_counts_the_tokenizer_it_can_load_without_a_download(tiny_lla
     assert out.returncode == 0, out.stderr[-2000:]
     real, none = map(int, out.stdout.split()[-2:])
     assert 20 * 2**20 < real < 200 * 2**20 and none == 0
-    assert "tokenizer" in memory_plan.plan(_cfg(tiny_llama)).parts["eval"]
-    assert "tokenizer" not in memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0).parts["eval"]
+    assert "tokenizer" in memory_plan.plan(_cfg(tiny_llama, dry_run=True)).parts["eval"]
+    assert "tokenizer" not in memory_plan.plan(_cfg(tiny_llama, dry_run=True), runtime_bytes=0).parts["eval"]
+    assert "tokenizer" not in memory_plan.plan(_cfg(tiny_llama)).parts["eval"]  # (a run's own check)
     assert memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0, tokenizer=7).parts["eval"]["tokenizer"] == 7

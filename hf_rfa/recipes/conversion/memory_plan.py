@@ -36,9 +36,9 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   (mapped)**); a checkpoint loaded in its own dtype is mapped and used as it is (no copy);
 - **runtime**: on the CPU, the resident memory of the process before loading (Python, torch,
   transformers); on CUDA, an allowance for the CUDA context;
-- **tokenizer** (CPU): what loading the model's tokenizer adds (the tokenizer and the modules it
-  imports), measured by loading it in a fresh process where it is at hand without a download
-  (:func:`tokenizer_bytes`).
+- **tokenizer** (CPU, ``--dry-run``): what loading the model's tokenizer adds (the tokenizer and
+  the modules it imports), measured by loading it in a fresh process where it is at hand without a
+  download (:func:`tokenizer_bytes`); a run's own check before loading leaves it out.
 
 The peak is the largest stage total. :func:`check_fits` compares it with what the device has free
 (``torch.cuda.mem_get_info``; on the CPU ``MemAvailable`` of ``/proc/meminfo``, or psutil) and
@@ -197,7 +197,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     several processes when ``cfg.fsdp`` or the launcher asks for FSDP (``ACCELERATE_USE_FSDP``),
     else ``ddp``; ``runtime_bytes``: the process's own memory (default: its resident memory now on
     the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA); ``tokenizer``: the tokenizer's memory on the CPU
-    (default: :func:`tokenizer_bytes` where the runtime is measured here, else none)."""
+    (default: :func:`tokenizer_bytes` in a ``--dry-run`` whose runtime is measured here; a run's own
+    check, which loads the tokenizer moments later, does not spend the seconds: none)."""
     from . import devices, distributed
     from .calibration import rfa_layers
 
@@ -231,7 +232,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     out = MemoryPlan(cfg.model, cfg.dtype, str(device), processes, sharding, n, cfg.batch_size,
                      counts={"frozen": p_orig, "feature maps": p_rfa, "trainable maps": p_train, "LoRA": p_lora})
     base = {"runtime": runtime, "weights": weights}
-    if device.type == "cpu" and (tokenizer is not None or runtime_bytes is None):
+    if device.type == "cpu" and (tokenizer is not None or runtime_bytes is None and cfg.dry_run):
         base["tokenizer"] = tokenizer if tokenizer is not None else tokenizer_bytes(cfg.model)
     if devices.needs_float32_compute(device, wdtype):  # bf16 storage, float32 matmuls: one weight's float32 copy at a time
         base["upcast copy"] = 4 * max(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
