@@ -173,6 +173,24 @@ def _paired(a: dict, b: dict) -> tuple[float, float, float]:
     return 100 * d, 100 * lo, 100 * hi
 
 
+def compare(a: str, b: str, task: str) -> str:
+    """``LABEL=FOLDER`` twice: each model's accuracy on ``task`` with its interval, and the paired
+    difference A − B over their shared documents (the table's bootstrap), as Markdown lines."""
+    rows = []
+    for spec in (a, b):
+        label, sep, folder = spec.partition("=")
+        if not sep:
+            raise ValueError(f"compare: {spec!r} is not LABEL=FOLDER")
+        tasks = read_lm_eval_folder(folder)["tasks"]
+        if task not in tasks:
+            raise ValueError(f"compare: {folder} has no results for {task!r} (it has {sorted(tasks)})")
+        rows.append((label, tasks[task]))
+    lines = [f"- {label}: {_cell(r)} (n = {r['n']})" for label, r in rows]
+    d, lo, hi = _paired(rows[0][1], rows[1][1])
+    lines.append(f"- {rows[0][0]} − {rows[1][0]}: {d:+.1f} [{lo:+.1f}, {hi:+.1f}]")
+    return "\n".join(lines)
+
+
 def _cell(r: dict) -> str:
     lo, hi = interval(r["acc"], r["stderr"])
     return f"{100 * r['acc']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
@@ -247,13 +265,22 @@ def replace_section(page: str, section: str, begin: str = BEGIN, end: str = END,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", help="'collect' then LABEL=FOLDER of lm-eval output (original, recipe, window-only)")
+    p.add_argument("runs", nargs="*", help="'collect' then LABEL=FOLDER of lm-eval output (original, recipe, window-only); "
+                   "or 'compare A=FOLDER B=FOLDER' (with --task): each one's accuracy and A − B paired")
     p.add_argument("--out", default=str(ROOT / RESULTS_FILE), help="collect: the results file to write")
     p.add_argument("--note", default="", help="collect: a line shown under the table")
     p.add_argument("--alias", action="append", default=[], help="collect: PATH=NAME, write PATH as NAME in the kept commands (repeatable)")
     p.add_argument("--docs", action="store_true", help=f"render the kept results file into {DOCS_PAGE}")
+    p.add_argument("--task", default=None, help="compare: the task to compare on")
     a = p.parse_args(argv)
-    if a.runs and a.runs[0] == "collect":
+    if a.runs and a.runs[0] == "compare":
+        if len(a.runs) != 3 or a.task is None:
+            p.error("give 'compare A=FOLDER B=FOLDER --task TASK'")
+        try:
+            print(compare(a.runs[1], a.runs[2], a.task))
+        except ValueError as e:
+            p.error(str(e))
+    elif a.runs and a.runs[0] == "collect":
         aliases = dict(x.split("=", 1) for x in a.alias)
         print(render(collect(a.runs[1:], a.out, a.note, aliases)))
     elif a.docs and not a.runs:

@@ -109,3 +109,24 @@ def test_docs_page_holds_the_table_rendered_from_the_kept_results_file():
         for model, r in per.items():
             assert len(r["correct"]) == r["n"] == len(r["doc_ids"]), (task, model)
             assert sum(r["correct"]) / r["n"] == pytest.approx(r["acc"]), (task, model)
+
+
+def test_compare_prints_both_accuracies_and_the_paired_difference(tmp_path, capsys):
+    """``compare A=FOLDER B=FOLDER --task T``: each model's accuracy and interval, and A − B over
+    the shared documents (here A is right on 3 of 4, B on 1: +50 points); a task one folder lacks
+    is refused naming the tasks it has."""
+    def folder(name: str, accs: list[float]) -> str:
+        sub = tmp_path / name / "m"
+        sub.mkdir(parents=True)
+        res = {"results": {"t": {"acc,none": 0.5}}, "n-shot": {"t": 8}, "config": {"model": "hf", "model_args": "pretrained=x"}}
+        (sub / "results_2026-01-01T00-00-00.0.json").write_text(json.dumps(res))
+        (sub / "samples_t_2026-01-01T00-00-00.0.jsonl").write_text("".join(json.dumps({"doc_id": i, "acc": a}) + "\n" for i, a in enumerate(accs)))
+        return str(tmp_path / name)
+
+    a, b = folder("a", [1.0, 1.0, 1.0, 0.0]), folder("b", [1.0, 0.0, 0.0, 0.0])
+    bench.main(["compare", f"A={a}", f"B={b}", "--task", "t"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("- A: 75.0 [") and out[1].startswith("- B: 25.0 [") and out[2].startswith("- A − B: +50.0 [")
+    with pytest.raises(SystemExit):
+        bench.main(["compare", f"A={a}", f"B={b}", "--task", "missing"])
+    assert "has no results for 'missing'" in capsys.readouterr().err
