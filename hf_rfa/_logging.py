@@ -32,3 +32,10 @@ def follow_transformers_verbosity() -> None:
 
     set_verbosity._hf_rfa_hook = True
     hf_logging.set_verbosity = set_verbosity
+
+
+def error_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its class name when it has none): what a one-line error
+    or a re-raised one quotes of the error it reports."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -57,6 +57,14 @@ USER_ERRORS = (ValueError, OSError)
 DEBUG_FLAG = "--debug"
 
 
+def user_error(prog: str, e: BaseException) -> int:
+    """Report ``e`` as a command's user error: one line on stderr; the exit status, 2."""
+    from ._logging import error_line
+
+    print(f"{prog}: error: {error_line(e)} ({DEBUG_FLAG} shows the traceback)", file=sys.stderr)
+    return 2
+
+
 def _command(main, prog: str):
     """An installed command around ``main``: the console-script wrapper calls ``sys.exit(command())``,
     so the command returns 0 on success (``main`` itself returns its report for Python callers; a dict
@@ -73,9 +81,7 @@ def _command(main, prog: str):
         except USER_ERRORS as e:
             if debug:
                 raise
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"{prog}: error: {message} (--debug shows the traceback)", file=sys.stderr)
-            return 2
+            return user_error(prog, e)
         if isinstance(result, dict) and result.get("push_error"):
             return 1  # the folder is complete and kept, but the upload asked for did not happen
         return 0

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     commands do; ``--debug`` (taken out before lm-eval parses) shows the traceback instead."""
     from lm_eval.__main__ import cli_evaluate
 
-    from ..cli import DEBUG_FLAG, USER_ERRORS
+    from ..cli import DEBUG_FLAG, USER_ERRORS, user_error
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
@@ -164,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if debug:
             raise
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"hf-rfa-lm-eval: error: {message} (--debug shows the traceback)", file=sys.stderr)
-        return 2
+        return user_error("hf-rfa-lm-eval", e)
     finally:
         sys.argv = old
     return 0

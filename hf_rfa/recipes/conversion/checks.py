@@ -44,14 +44,16 @@ def check_inputs(cfg: ConversionConfig) -> None:
         raise ValueError(f"--model {cfg.model!r}: no such folder or file (give a local folder, a .gguf file or a Hub id such as 'org/name')")
 
 
-def _rotary(model: nn.Module) -> bool:
+def has_rotary(model: nn.Module) -> bool:
+    """Whether the model's attention takes rotary position embeddings."""
     from ...hf.convert import find_attention_modules
     from ...hf.rope import takes_position_embeddings
 
     return any(takes_position_embeddings(m) for _, m, _ in find_attention_modules(model))
 
 
-def _bidirectional(model: nn.Module) -> bool:
+def is_bidirectional(model: nn.Module) -> bool:
+    """Whether any of the model's attention modules is bidirectional (an encoder's)."""
     from ...hf.convert import find_attention_modules
 
     return any(getattr(m, "is_causal", True) is False for _, m, _ in find_attention_modules(model))
@@ -74,19 +76,19 @@ def _positions(model: nn.Module) -> int | None:
 
 def learned_positions(model: nn.Module) -> int | None:
     """How many positions a model without rotary embeddings can read (None: rotary, or not recorded)."""
-    return None if _rotary(model) else _positions(model)
+    return None if has_rotary(model) else _positions(model)
 
 
 def check_model(cfg: ConversionConfig, model: nn.Module, kind: str) -> list[str]:
     """Refuse what the loaded model cannot run (``ValueError``); returns the warnings logged."""
     target = cfg.rfa_config()
-    rotary = _rotary(model)
+    rotary = has_rotary(model)
     if target.feature_input == "unrotated" and not rotary:
         fix = "--preset encoder" if kind != CAUSAL_LM else "--feature-input rotated"
         raise ValueError(
             f"--feature-input unrotated (preset recall's) needs rotary position embeddings, which {cfg.model} ({type(model).__name__}) "
             f"does not have: use {fix}")
-    if kind != CAUSAL_LM and _bidirectional(model):
+    if kind != CAUSAL_LM and is_bidirectional(model):
         causal_only = [f for f, on in (("--decay", target.decay), ("--memory", target.memory), ("--memory-after-training", cfg.memory_after_training)) if on]
         if causal_only:
             raise ValueError(f"{', '.join(causal_only)} need causal attention, but {cfg.model} is a bidirectional {kind}: use --preset encoder (or set them to 0)")
@@ -111,4 +113,4 @@ def check_model(cfg: ConversionConfig, model: nn.Module, kind: str) -> list[str]
     return warnings
 
 
-__all__ = ["check_inputs", "check_model", "learned_positions"]
+__all__ = ["check_inputs", "check_model", "has_rotary", "is_bidirectional", "learned_positions"]

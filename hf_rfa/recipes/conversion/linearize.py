@@ -26,6 +26,7 @@ from .config import ConversionConfig
 from .loading import CAUSAL_LM, kind_of, load_model
 from .state import State
 from . import stages
+from ..._logging import error_line
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _load(model: nn.Module | str, tokenizer: Any) -> tuple[nn.Module, Any, str, 
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
         except OSError as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = error_line(e)
             raise OSError(f"the tokenizer of {name!r} could not be loaded ({reason}): pass tokenizer=") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -90,8 +90,9 @@ def chunked_training_loss(lm: nn.Module):
     logits; everything else (evaluation, no labels) runs the model's own forward. For trainers that
     call the model with labels and read only the loss (``transformers.Trainer``'s training step,
     including its ``num_items_in_batch`` normalisation under gradient accumulation) through any
-    wrapper that ends in ``lm.forward`` (PEFT, DDP). Nothing is changed for a model
-    :func:`supports_chunked_loss` refuses."""
+    wrapper that ends in ``lm.forward`` (PEFT, DDP); a PEFT model gives its base model's. Nothing is
+    changed for a model :func:`supports_chunked_loss` refuses."""
+    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # (PEFT)
     if not supports_chunked_loss(lm):
         yield False
         return

@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import evaluation
 from ...config import CONFIG_ATTR
+from ..._logging import error_line
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def load_model(
     try:
         cfg = AutoConfig.from_pretrained(path)
     except OSError as e:  # transformers' message names no model: say which one could not be read
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = error_line(e)
         raise OSError(f"model {spec!r} could not be loaded: {reason}") from e
     kind = kind_of(cfg)
     cls = {CAUSAL_LM: transformers.AutoModelForCausalLM, CLASSIFIER: transformers.AutoModelForSequenceClassification, ENCODER: transformers.AutoModel}[kind]
@@ -183,23 +184,12 @@ def _load_casting(cls, path: str, cfg, attn_implementation: str, kwargs: dict[st
 
     model = concrete.from_pretrained(None, config=cfg, state_dict=state, attn_implementation=attn_implementation, **kwargs)
     model.config._name_or_path = model.name_or_path = path  # as loading from the folder records them
-    if model.can_generate() and _has_generation_config(path):
-        model.generation_config = GenerationConfig.from_pretrained(path)
+    if model.can_generate():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json (the folder's or the Hub id's): the default stands
+            pass
     return model
-
-
-def _has_generation_config(path: str) -> bool:
-    """Whether a folder or Hub id has a ``generation_config.json`` (a Hub id's fetched into the cache)."""
-    if os.path.isdir(path):
-        return os.path.isfile(os.path.join(path, "generation_config.json"))
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
-
-    try:
-        hf_hub_download(path, "generation_config.json")
-    except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError):
-        return False
-    return True
 
 
 __all__ = ["CAUSAL_LM", "CLASSIFIER", "ENCODER", "checkpoint_files", "hub_checkpoint_files", "kind_of", "load_model", "read_state_dict", "resolve_checkpoint"]

@@ -127,13 +127,18 @@ def _fmt(n: int | None) -> str:
 
 
 # --------------------------------------------------------------------------- the model on the meta device
+def _config_file(spec: str) -> bool:
+    """Whether ``spec`` names a ``config.json`` alone (no checkpoint files with it to read)."""
+    return os.path.isfile(spec) and spec.endswith(".json")
+
+
 def load_config(spec: str):
     """A transformers config from a Hub id, a folder or a ``config.json`` path (nothing else read)."""
     from transformers import AutoConfig
 
     from .loading import resolve_checkpoint
 
-    if os.path.isfile(spec) and spec.endswith(".json"):
+    if _config_file(spec):
         import json
 
         d = json.loads(open(spec, encoding="utf-8").read())
@@ -275,7 +280,7 @@ def _tensor_sizes(spec: str) -> list[int]:
 
     from .loading import checkpoint_files, resolve_checkpoint
 
-    if os.path.isfile(spec) and spec.endswith(".json"):  # a config alone, as load_config reads it
+    if _config_file(spec):
         return []
     files = checkpoint_files(resolve_checkpoint(spec))
     sizes = []
@@ -322,7 +327,7 @@ def tokenizer_bytes(spec: str) -> int:
 
     if not os.path.exists("/proc/self/statm"):
         return 0
-    path = os.path.dirname(spec) or "." if os.path.isfile(spec) and spec.endswith(".json") else resolve_checkpoint(spec)
+    path = os.path.dirname(spec) or "." if _config_file(spec) else resolve_checkpoint(spec)
     if not _has_tokenizer(path):
         return 0
     try:

@@ -221,8 +221,7 @@ def _training_loss(accelerator, model, model_args: ModelArguments, task: str):
     sharded = str(accelerator.distributed_type).split(".")[-1] in ("FSDP", "DEEPSPEED")
     if task != "causal-lm" or not model_args.chunked_loss or sharded:
         return contextlib.nullcontext(False)
-    inner = accelerator.unwrap_model(model)
-    return chunked_training_loss(inner.get_base_model() if hasattr(inner, "get_base_model") else inner)
+    return chunked_training_loss(accelerator.unwrap_model(model))
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, rfa_args: RFAArguments, args: LoopArguments, accelerator=None) -> dict:

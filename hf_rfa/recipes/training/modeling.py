@@ -23,6 +23,7 @@ from ...hf.loading import write_adapter_rfa_config
 from ...feature_maps import FeatureMap
 from .peft_utils import lora_config
 from .args import ModelArguments, RFAArguments
+from ..._logging import error_line
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def _named(flag: str, name: str, load):
     try:
         return load()
     except OSError as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = error_line(e)
         raise OSError(f"{flag} {name!r} could not be loaded: {reason}") from e
 
 
@@ -73,13 +74,13 @@ def _check_settings(target: RFAConfig, model: nn.Module, path: str, task: str) -
     """Refuse, with the flag that fixes it, settings of the default preset (recall) that ``model``
     cannot take: un-rotated features without rotary embeddings, decay or memory on bidirectional
     attention (encoders take ``--preset encoder``, GPT-2-style causal LMs ``--feature_input rotated``)."""
-    from ..conversion.checks import _bidirectional, _rotary
+    from ..conversion.checks import has_rotary, is_bidirectional
 
-    if target.feature_input == "unrotated" and not _rotary(model):
-        fix = "--feature_input rotated" if task == "causal-lm" and not _bidirectional(model) else "--preset encoder"
+    if target.feature_input == "unrotated" and not has_rotary(model):
+        fix = "--feature_input rotated" if task == "causal-lm" and not is_bidirectional(model) else "--preset encoder"
         raise ValueError(f"--feature_input unrotated (preset recall's, the default) needs rotary position embeddings, which {path} "
                          f"({type(model).__name__}) does not have: use {fix}")
-    if _bidirectional(model):
+    if is_bidirectional(model):
         causal_only = [f for f, on in (("--decay", target.decay), ("--memory", target.memory)) if on]
         if causal_only:
             raise ValueError(f"{', '.join(causal_only)} {'needs' if len(causal_only) == 1 else 'need'} causal attention, but {path} "

@@ -99,7 +99,7 @@ def _training_loss(trainer, model, model_args: ModelArguments, classification: b
 
     if classification or not model_args.chunked_loss or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         return contextlib.nullcontext(False)
-    return chunked_training_loss(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    return chunked_training_loss(model)
 
 
 def trainer_resume(resume: str | None, output_dir: str) -> str | None:
