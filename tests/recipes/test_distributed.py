@@ -114,6 +114,36 @@ def test_two_processes_with_and_without_fsdp_equal_one(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # written once, by the main process
 
 
+@pytest.mark.slow
+def test_distillation_lora_on_two_processes_with_and_without_fsdp_equals_one(tmp_path):
+    """``--lora-objective distill`` (the teacher: the same weights with the adapters off, exact
+    softmax, one more forward per step): one process, two (DDP) and two under FSDP (the teacher's
+    forward and the student's loss in one forward method of the sharded root) merge the same LoRA
+    weights within 1e-5 and give the same perplexity within 1e-6 relative; the stage records it."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "cal.txt").write_text(_text(2000, 0))
+    (tmp_path / "eval.txt").write_text(_text(2000, 1))
+    args = ["--model", _tiny_llama(tmp_path), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
+            "--transfer-tokens", "0", "--lora-tokens", "256", "--batch-size", "2", "--context", "32", "--lora-objective", "distill",
+            "--eval-contexts", "32", "--eval-tokens", "256", "--error-tokens", "32", "--train-autocast", "off",
+            "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
+    _convert([*args, "--output", str(tmp_path / "one")], 1)
+    _convert([*args, "--output", str(tmp_path / "two")], 2)
+    _convert([*args, "--output", str(tmp_path / "fsdp")], 2, fsdp=True)
+    one, two, fsdp = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two", "fsdp"))
+    assert fsdp["fsdp"] is True and one["stages"]["lora"]["objective"] == two["stages"]["lora"]["objective"] == fsdp["stages"]["lora"]["objective"] == "distill"
+    assert one["stages"]["lora"]["loss_first"] > 0 and one["stages"]["lora"]["steps"] == 4
+    w1 = load_file(tmp_path / "one" / "model.safetensors")
+    for name, other in (("two", two), ("fsdp", fsdp)):
+        assert other["stages"]["lora"]["loss_first"] == pytest.approx(one["stages"]["lora"]["loss_first"], rel=1e-5), name
+        for a, b in zip(one["rows"], other["rows"], strict=True):
+            assert b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-6, abs=0), (name, a["variant"])
+        w = load_file(tmp_path / name / "model.safetensors")
+        for k in w1:
+            torch.testing.assert_close(w[k], w1[k], rtol=0, atol=1e-5, msg=f"{name}: {k}")
+
+
 _WORKER = """
 import json, os, sys
 import torch

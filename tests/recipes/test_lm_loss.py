@@ -60,3 +60,43 @@ def test_default_chunk_keeps_each_chunks_float32_logits_within_the_budget(monkey
     assert calls == [(2, 3, calls[0][2])] * 7 + [(2, 1, calls[0][2])]
     ref = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
     assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+
+
+def _kl_reference(student_logits, teacher_logits, labels):
+    """KL(teacher ‖ student) per predicted position, by torch's kl_div, averaged."""
+    s, t = student_logits[:, :-1].float(), teacher_logits[:, :-1].float()
+    valid = labels[:, 1:] != -100
+    per = torch.nn.functional.kl_div(torch.log_softmax(s, -1), torch.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
+    return per[valid].mean()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_distill_loss_and_gradients_equal_the_full_logits_kl(family):
+    """Student: a converted copy; teacher: the original's final hidden states. The chunked KL equals
+    torch's kl_div on the full logits, and so do its gradients, at any chunk size; padding is left
+    out; a student equal to its teacher scores 0."""
+    from hf_rfa.recipes.conversion.lm_loss import distill_loss
+
+    teacher = tiny_model(family).eval()
+    student = tiny_model(family).eval()
+    student.load_state_dict(teacher.state_dict())
+    ids, mask = batch(family, n=23, b=3)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        t_hidden = teacher.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        t_logits = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    same = distill_loss(student, ids, mask, labels, t_hidden, chunk=5)
+    assert abs(float(same.detach())) < 1e-6
+    hf_rfa.convert(student, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+    params = [p for p in student.parameters() if p.requires_grad]
+    ref = _kl_reference(student(input_ids=ids, attention_mask=mask, use_cache=False).logits, t_logits, labels)
+    assert float(ref) > 1e-4  # the conversion does change the predictions
+    ref_grads = torch.autograd.grad(ref, params)
+    for chunk in (1, 5, 512):
+        loss = distill_loss(student, ids, mask, labels, t_hidden, chunk=chunk)
+        grads = torch.autograd.grad(loss, params)
+        assert torch.allclose(loss, ref, rtol=1e-5, atol=0), (chunk, float(loss), float(ref))
+        worst = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(grads, ref_grads))
+        assert worst < 1e-5, (chunk, worst)
+    with pytest.raises(ValueError, match="teacher_hidden must have the student's hidden shape"):
+        distill_loss(student, ids, mask, labels, t_hidden[:, :-1])

@@ -409,3 +409,33 @@ def test_a_lora_merged_into_the_model_is_put_back_bit_for_bit():
     assert {n: p.requires_grad for n, p in m.named_parameters()} == flags
     with pytest.raises(ValueError, match="cannot restore"):
         restore_weights(torch.nn.Linear(2, 2), saved)
+
+
+def test_lora_distillation_starts_at_zero_on_the_original_and_recovers_a_conversion():
+    """objective="distill": the teacher is the model itself with its adapters off under exact
+    softmax. On an unconverted model the student is its teacher (the first loss is 0); on a
+    converted one the loss is the KL from the original's predictions, which LoRA lowers, and the
+    merged model is closer to the original than before. An unknown objective is refused."""
+    m = tiny_model("llama")
+    _, res = transfer.lora_finetune(m, evaluation.shuffled_batches(_ids(), 64, 2, 0), tokens=64 * 2, lr=1e-2, progress=False, objective="distill")
+    assert abs(res.losses[0]) < 1e-6 and res.as_dict()["objective"] == "distill"
+
+    original = tiny_model("llama").eval()
+    m = tiny_model("llama")
+    m.load_state_dict(original.state_dict())
+    hf_rfa.convert(m, hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1))
+    ids = _ids()[:128].unsqueeze(0)
+
+    def kl_to_original(model):
+        with torch.no_grad():
+            s = torch.log_softmax(model.eval()(input_ids=ids).logits.float(), -1)
+            t = torch.log_softmax(original(input_ids=ids).logits.float(), -1)
+        return float((t.exp() * (t - s)).sum(-1).mean())
+
+    before = kl_to_original(m)
+    merged, res = transfer.lora_finetune(m, iter([(ids, None)] * 8), tokens=128 * 8, lr=3e-3, progress=False, objective="distill")
+    assert res.steps == 8 and res.losses[0] > 1e-4 and res.losses[-1] < 0.8 * res.losses[0], res.losses
+    assert merged.config._attn_implementation == "rfa"
+    assert kl_to_original(merged) < before
+    with pytest.raises(ValueError, match=r"objective must be one of \['next_token', 'distill'\], got 'kl'"):
+        transfer.lora_finetune(tiny_model("llama"), iter([]), tokens=1, objective="kl")

@@ -19,6 +19,7 @@ class TransferResult:
     sharding: dict | None = None  # under FSDP: what this process stored while it trained (fsdp.storage)
     activation_checkpointing: bool = False  # LoRA recomputed its decoder layers' activations in the backward
     chunked_loss: bool = False  # LoRA's loss ran without the full logits (lm_loss)
+    objective: str | None = None  # LoRA: "next_token" or "distill" (lora.OBJECTIVES)
 
     def as_dict(self) -> dict:
         first = self.losses[0] if self.losses else None
@@ -32,6 +33,8 @@ class TransferResult:
             out["activation_checkpointing"] = True
         if self.chunked_loss:
             out["chunked_loss"] = True
+        if self.objective is not None and self.objective != "next_token":
+            out["objective"] = self.objective
         return out
 
 

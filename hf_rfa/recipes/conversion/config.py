@@ -60,6 +60,7 @@ class ConversionConfig:
     transfer_query_blocks: int = field(default=1, metadata={"help": "causal: optimiser steps per captured sequence, each fitting the next transfer_queries positions back from the end (the teacher's forward is shared)"})
     lora_lr: float = field(default=1e-3, metadata={"help": "learning rate of LoRA"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_objective: str = field(default="next_token", metadata={"help": "LoRA's objective: next_token (cross-entropy on the training text) or distill (KL from the original model's next-token distribution at every position — the adapters make up for the attention's approximation without adapting the model to the training text; one more forward of the original per step)"})
     train_autocast: str = field(default="auto", metadata={"help": "mixed precision of attention transfer and LoRA: auto (bf16 where it is faster: CUDA with bf16, CPUs with AMX / AVX-512 BF16; else float32), off, bf16"})
     baselines: bool = field(default=False, metadata={"help": "also evaluate every baseline: untrained pure random features (random_feature_map), for causal hybrids the untrained random-feature hybrid (random_hybrid), and the window-only baseline (window_only_baseline)"})
     random_hybrid: bool = field(default=True, metadata={"help": "--baselines include random features + window + sinks"})
@@ -90,8 +91,11 @@ class ConversionConfig:
             v = getattr(self, name)
             if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
                 raise ValueError(f"{name} must be a list of ints >= 1, got {v!r}")
+        from .lora import OBJECTIVES
         from .transfer import SCHEDULES
 
+        if self.lora_objective not in OBJECTIVES:
+            raise ValueError(f"lora_objective must be one of {list(OBJECTIVES)}, got {self.lora_objective!r}")
         if self.transfer_schedule not in SCHEDULES:
             raise ValueError(f"transfer_schedule must be one of {sorted(SCHEDULES)}, got {self.transfer_schedule!r}")
         _check_int("transfer_query_blocks", self.transfer_query_blocks, 1)

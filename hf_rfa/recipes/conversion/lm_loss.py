@@ -9,7 +9,11 @@ time (:func:`loss_chunk`: 96 MiB of float32 logits), each chunk under activation
 forward and again in the backward: the same loss and the same gradients (the mean over the
 predicted tokens, as ``ForCausalLMLoss``), a little more compute (the head runs twice).
 
-The conversion's LoRA stage calls :func:`causal_lm_loss`; ``hf-rfa-finetune`` and ``hf-rfa-train``
+:func:`distill_loss` is the same for distillation: the Kullback-Leibler divergence from a
+teacher's next-token distribution (given by its final hidden states, through the same head) at every
+predicted position, again one chunk of both models' logits at a time.
+
+The conversion's LoRA stage calls :func:`causal_lm_loss` (or :func:`distill_loss`); ``hf-rfa-finetune`` and ``hf-rfa-train``
 train through :func:`chunked_training_loss`, which gives the model's own forward this loss while
 training (``--chunked_loss``).
 
@@ -83,6 +87,47 @@ def _chunked_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ch
     return total, (target != -100).sum()
 
 
+def kl_from_logits(logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ KL(teacher ‖ student)`` over the positions where ``valid`` (``[...]`` bool; None: all) of
+    two ``[..., vocab]`` logit tensors, in float32: ``Σ_v p_t (log p_t − log p_s)`` per position."""
+    log_s = torch.log_softmax(logits.float(), dim=-1)
+    log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    per_position = (log_t.exp() * (log_t - log_s)).sum(-1)
+    if valid is not None:
+        per_position = per_position.masked_fill(~valid, 0.0)
+    return per_position.sum()
+
+
+def _chunk_kl(head: nn.Module, hidden: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        teacher_logits = head(teacher)
+    return kl_from_logits(head(hidden), teacher_logits, valid)
+
+
+def distill_loss(
+    lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor, teacher_hidden: torch.Tensor, chunk: int | None = None,
+) -> torch.Tensor:
+    """The mean over the predicted positions (those whose next label is not -100, as
+    :func:`causal_lm_loss`) of ``KL(teacher ‖ student)`` between the next-token distributions of a
+    teacher, given by its final hidden states ``teacher_hidden`` (``[B, N, h]``, no gradient) through
+    ``lm``'s output head, and ``lm`` itself; both heads' logits ``chunk`` positions at a time (the
+    student's under activation checkpointing). A model of :data:`PLAIN_HEADS` only."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    hidden = lm.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    if teacher_hidden.shape != hidden.shape:
+        raise ValueError(f"teacher_hidden must have the student's hidden shape {tuple(hidden.shape)}, got {tuple(teacher_hidden.shape)}")
+    head = lm.get_output_embeddings()
+    chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
+    valid = labels[:, 1:].to(hidden.device) != -100
+    hidden, teacher = hidden[:, :-1], teacher_hidden[:, :-1].detach().to(hidden.dtype)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[1], chunk):
+        part = slice(i, i + chunk)
+        total = total + checkpoint(_chunk_kl, head, hidden[:, part], teacher[:, part], valid[:, part], use_reentrant=False)
+    return total / valid.sum().clamp(min=1)
+
+
 @contextlib.contextmanager
 def chunked_training_loss(lm: nn.Module):
     """Inside the block, ``lm``'s forward in training mode with ``labels`` computes its loss by
@@ -124,4 +169,4 @@ def chunked_training_loss(lm: nn.Module):
             del lm.forward  # the class's forward again
 
 
-__all__ = ["LOSS_CHUNK_BYTES", "PLAIN_HEADS", "causal_lm_loss", "chunked_training_loss", "loss_chunk", "supports_chunked_loss"]
+__all__ = ["LOSS_CHUNK_BYTES", "PLAIN_HEADS", "causal_lm_loss", "chunked_training_loss", "distill_loss", "kl_from_logits", "loss_chunk", "supports_chunked_loss"]

@@ -1,8 +1,13 @@
 """The LoRA recovery stage (LoLCATs stage 2): LoRA adapters on next-token loss, merged back.
 
 :func:`lora_finetune` wraps the stock attention projections with PEFT adapters
-(``hf_rfa.recipes.training.peft_utils.lora_config``), trains them on next-token loss through the
-``"rfa"`` attention (:func:`register_train`) and merges them, returning a plain converted model.
+(``hf_rfa.recipes.training.peft_utils.lora_config``), trains them through the ``"rfa"`` attention
+(:func:`register_train`) and merges them, returning a plain converted model. Its objective
+(:data:`OBJECTIVES`): ``"next_token"``, the cross-entropy on the training text (LoLCATs), or
+``"distill"``, the divergence from the original model's next-token distribution at every position
+(the same weights with the adapters off and exact softmax attention, one more forward per step;
+RADLADS distils a converted model's logits from its teacher's the same way): the adapters then make
+up for the approximation instead of also adapting the model to the training text.
 Several processes (:mod:`.distributed`): each takes its rows of every global batch and the
 gradients are averaged before each step; under FSDP (:mod:`.fsdp`) the adapters are added first,
 then a sharded copy of the wrapped model trains (FSDP reduce-scatters the gradients) and its
@@ -22,15 +27,17 @@ from torch import nn
 
 from . import distributed, fsdp, precision
 from .budget import TransferResult, check_limit
-from .calibration import attn_implementation, rfa_layers
+from .calibration import CAPTURE_NAME, attn_implementation, register_capture, rfa_layers
 from .devices import input_device, to_device
-from .lm_loss import causal_lm_loss, supports_chunked_loss
+from .lm_loss import causal_lm_loss, distill_loss, kl_from_logits, supports_chunked_loss
 from ...hf.loading import is_converted
 from ...ops.backends import training_backend
 
 logger = logging.getLogger(__name__)
 
 TRAIN_NAME = "hf_rfa_train"
+#: LoRA objectives: next-token cross-entropy on the text, or KL from the original model's predictions
+OBJECTIVES = ("next_token", "distill")
 
 
 def _train_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -69,6 +76,7 @@ def lora_finetune(
     train_feature_maps: bool = False,
     autocast: torch.dtype | None = None,
     activation_checkpointing: bool = False,
+    objective: str = "next_token",
 ) -> tuple[nn.Module, TransferResult]:
     """LoRA (r, on the stock attention projections) on next-token loss; returns the *merged*
     converted model and a :class:`TransferResult`. An unconverted model (no ``rfa`` layer) trains
@@ -80,7 +88,8 @@ def lora_finetune(
     adapters: PEFT's ``modules_to_save`` copies, folded back by the merge).
     ``activation_checkpointing``: each decoder layer's activations are recomputed in the backward
     (transformers' ``activation_checkpointing_enable``, non-reentrant) instead of held, for this
-    stage only. Causal LMs only (labels = inputs)."""
+    stage only. ``objective``: one of :data:`OBJECTIVES` (module docstring). Causal LMs only
+    (labels = inputs)."""
     from peft import get_peft_model
 
     from ..training.peft_utils import lora_config
@@ -92,15 +101,17 @@ def lora_finetune(
         raise ValueError("train_feature_maps=True, but the converted model's feature maps have no trainable parameters")
     if not isinstance(activation_checkpointing, bool):
         raise ValueError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
     peft_model = get_peft_model(model, lora_config(model, r=r, train_feature_maps=train_feature_maps))
     peft_model.train()
     with checkpointed_layers(model, activation_checkpointing):
         if distributed.fsdp_active():
             with fsdp.sharded(peft_model) as work:
-                res = _train(work, batches, tokens, lr, max_seconds, progress, autocast, sharded=True)
+                res = _train(work, batches, tokens, lr, max_seconds, progress, autocast, objective, sharded=True)
                 res.sharding = fsdp.storage(work)
         else:
-            res = _train(peft_model, batches, tokens, lr, max_seconds, progress, autocast)
+            res = _train(peft_model, batches, tokens, lr, max_seconds, progress, autocast, objective)
     res.activation_checkpointing = activation_checkpointing
     merged = peft_model.merge_and_unload()
     merged.eval()
@@ -175,7 +186,7 @@ def restore_weights(model: nn.Module, saved: SavedWeights) -> None:
 
 def _train(
     peft_model: nn.Module, batches, tokens: int, lr: float, max_seconds: float | None, progress: bool, autocast: torch.dtype | None,
-    sharded: bool = False,
+    objective: str = "next_token", sharded: bool = False,
 ) -> TransferResult:
     """The LoRA loop on ``peft_model`` (sharded: FSDP averages the gradients in the backward)."""
     from tqdm.auto import tqdm
@@ -189,9 +200,13 @@ def _train(
     device = input_device(base)
     res.autocast = precision.dtype_name(autocast)
     chunked = supports_chunked_loss(base)
-    if chunked and sharded:  # FSDP: the loss runs as a forward of the root unit, which gathers its head
-        fsdp.forward_method(peft_model, "chunked_lm_loss", lambda self, *a: causal_lm_loss(self.get_base_model(), *a))
+    distill = objective == "distill"
+    if distill:
+        register_capture()  # (the teacher's exact attention)
+    if sharded and (chunked or distill):  # FSDP: the loss runs as a forward of the root unit, which gathers its head
+        fsdp.forward_method(peft_model, "lm_loss", lambda self, *a: _loss(self, *a))
     res.chunked_loss = chunked
+    res.objective = objective
     try:
         with attn_implementation(base, TRAIN_NAME) if is_converted(base) else contextlib.nullcontext():
             for ids, mask in batches:
@@ -199,12 +214,10 @@ def _train(
                 ids, mask = to_device(ids, device), to_device(mask, device)
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 with precision.autocast(device, autocast):
-                    if chunked and sharded:
-                        loss = peft_model.chunked_lm_loss(ids, mask, labels)
-                    elif chunked:  # the same loss without the full logits in memory (lm_loss)
-                        loss = causal_lm_loss(base, ids, mask, labels)
+                    if sharded and (chunked or distill):
+                        loss = peft_model.lm_loss(ids, mask, labels, chunked, distill)
                     else:
-                        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                        loss = _loss(peft_model, ids, mask, labels, chunked, distill)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 res.losses.append(float(loss.detach()))
@@ -230,4 +243,25 @@ def _train(
     return res
 
 
-__all__ = ["TRAIN_NAME", "checkpointed_layers", "lora_finetune", "register_train", "SavedWeights", "restore_weights", "target_weights"]
+def _loss(peft_model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor, chunked: bool, distill: bool) -> torch.Tensor:
+    """One step's loss: next-token cross-entropy, or (``distill``) the mean KL from the teacher —
+    ``peft_model`` with its adapters off under exact softmax attention, no gradient — each without
+    the full logits in memory where ``chunked`` (:mod:`.lm_loss`)."""
+    base = peft_model.get_base_model()
+    if not distill:
+        if chunked:
+            return causal_lm_loss(base, ids, mask, labels)
+        return peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    with torch.no_grad(), peft_model.disable_adapter(), attn_implementation(base, CAPTURE_NAME):
+        if chunked:
+            teacher = base.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        else:
+            teacher = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    if chunked:
+        return distill_loss(base, ids, mask, labels, teacher)
+    logits = peft_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    valid = labels[:, 1:].to(logits.device) != -100
+    return kl_from_logits(logits[:, :-1], teacher[:, :-1], valid) / valid.sum().clamp(min=1)
+
+
+__all__ = ["OBJECTIVES", "TRAIN_NAME", "checkpointed_layers", "lora_finetune", "register_train", "SavedWeights", "restore_weights", "target_weights"]

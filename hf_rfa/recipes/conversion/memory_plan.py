@@ -415,6 +415,8 @@ def _lora(cfg, g, b, n, ab, feat, p_lora, targets, chunked=False, mb=4) -> dict[
     # activation checkpointing: every layer's input is held, one layer's activations at a time (its recompute)
     layers = g["L"] * b * n * g["h"] * ab + per_layer if cfg.activation_checkpointing else g["L"] * per_layer
     parts = {"gradients": p_lora * 4, "optimizer": 2 * p_lora * 4, "activations": layers + logits}
+    if cfg.lora_objective == "distill":  # the teacher's final hidden states, and its chunk's logits beside the student's in the KL
+        parts["teacher"] = b * n * g["h"] * ab + b * rows * g["V"] * (ab + 5 * 4)
     if cfg.evaluates_window_only and (cfg.rfa.window or cfg.rfa.sinks) and cfg.rfa.feature_map != "none":
         parts["baseline copy"] = targets  # the window-only baseline's LoRA merges into the model; its target weights are kept to be put back
     return parts

@@ -176,6 +176,7 @@ def _baseline_lora(s: State):
     trained, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
         max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s), activation_checkpointing=cfg.activation_checkpointing,
+        objective=cfg.lora_objective,
     )
     s.model = trained  # the same module tree, its target weights merged
     return res
@@ -263,6 +264,7 @@ def train_lora(s: State) -> dict | None:
     s.model, res = transfer.lora_finetune(
         s.model, _lora_stream(s), cfg.lora_tokens, lr=cfg.lora_lr, r=cfg.lora_r, progress=cfg.progress,
         max_seconds=_max_seconds(cfg.lora_minutes), autocast=_autocast(s), activation_checkpointing=cfg.activation_checkpointing,
+        objective=cfg.lora_objective,
     )
     s.stages["lora"] = res.as_dict()
     return s.stages["lora"]
