@@ -7,6 +7,9 @@ distributed types it turns into ``FSDP``), so this check applies the config's po
 ``fsdp_transformer_layer_cls_to_wrap`` module, then the root. It trains a few steps with redraws
 and checks that (a) the losses equal those of the same model unsharded in every process, and
 (b) the random projections are identical on every rank (FSDP does not broadcast buffers).
+``--chunked_loss``: the sharded model trains with the training commands' chunked loss
+(:func:`hf_rfa.recipes.conversion.lm_loss.chunked_training_loss`, ``--chunk_positions`` positions of
+logits at a time), the unsharded twin with the model's own loss.
 
     torchrun --nproc_per_node 2 training/fsdp_cpu_check.py --config training/configs/fsdp_llama.yaml \\
         --model_name_or_path CKPT --train_file train.txt --out result.json
@@ -27,6 +30,8 @@ from hf_rfa import RFAConfig, redraw
 from hf_rfa.recipes.training import DataArguments, ModelArguments, RFAArguments, build_model, load_tokenizer, prepare, projection_fingerprint
 
 logger = logging.getLogger("fsdp_cpu_check")
+#: sequences per process and step
+PER_RANK = 2
 
 
 def main() -> None:
@@ -38,6 +43,8 @@ def main() -> None:
     p.add_argument("--num_features", type=int, default=8)
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--chunked_loss", action="store_true", help="the sharded model trains with the chunked training loss")
+    p.add_argument("--chunk_positions", type=int, default=5, help="with --chunked_loss: positions of logits per chunk")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -58,6 +65,7 @@ def main() -> None:
     data = prepare(dargs, tok)
     torch.manual_seed(0)
     model = build_model(margs, rargs, "causal-lm", tok)
+    model.train()  # (as a trainer does; the Llama configs here have no dropout)
     reference = copy.deepcopy(model)  # unsharded twin, same init
     units = [m for m in model.modules() if type(m).__name__ in wrap]
     if not units:
@@ -65,9 +73,18 @@ def main() -> None:
     for m in units:
         fully_shard(m, reshard_after_forward=cfg["fsdp_config"].get("fsdp_reshard_after_forward", True))
     fully_shard(model)
+    if a.chunked_loss:
+        from hf_rfa.recipes.conversion import lm_loss
+
+        lm_loss.LOSS_CHUNK_BYTES = 4 * model.get_output_embeddings().weight.shape[0] * PER_RANK * a.chunk_positions
+        chunked = lm_loss.chunked_training_loss(model)  # (for the rest of the process)
+        if not chunked.__enter__():
+            raise ValueError(f"--chunked_loss: {type(model).__name__} has no plain output head")
+    head_calls = []
+    model.get_output_embeddings().register_forward_hook(lambda m, i, o: head_calls.append(tuple(i[0].shape[:2])))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    per_rank = 2
+    per_rank = PER_RANK
     losses, ref_losses, prints = [], [], []
     for step in range(1, a.steps + 1):
         rows = list(range((step - 1) * per_rank * world, step * per_rank * world))
@@ -95,7 +112,8 @@ def main() -> None:
             logger.info("step %d: FSDP loss %.6f, unsharded loss %.6f, projections equal on %d ranks: %s", step, losses[-1], ref_losses[-1], world, len(set(gathered)) == 1)
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"fsdp_units": len(units), "wrap": sorted(wrap), "losses": losses, "reference_losses": ref_losses, "fingerprints": prints, "world_size": world}, f, indent=1)
+            json.dump({"fsdp_units": len(units), "wrap": sorted(wrap), "losses": losses, "reference_losses": ref_losses, "fingerprints": prints, "world_size": world,
+                       "chunked_loss": a.chunked_loss, "head_calls": head_calls}, f, indent=1)
     # both ranks tear gloo down together: a rank destroying its group while the other still has
     # work in flight aborted now and then ("terminate called without an active exception")
     dist.barrier()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import math
 import os
 import random
 import socket
@@ -385,6 +386,26 @@ def test_fsdp2_cpu_gloo_step_matches_unsharded(assets, tmp_path):
     assert _rel(res["losses"], res["reference_losses"]) <= FSDP_LOSS_REL
     assert all(len(set(step)) == 1 for step in res["fingerprints"])
     assert len({step[0] for step in res["fingerprints"]}) == len(res["fingerprints"])  # each redraw changed them
+
+
+@pytest.mark.slow
+def test_fsdp2_cpu_gloo_chunked_loss_matches_the_unsharded_models_own(assets, tmp_path):
+    """FSDP2 over gloo with the training commands' chunked loss (5 positions of logits at a time,
+    the output head in the root unit): the losses of 3 steps equal the unsharded twin's with the
+    model's own loss, and the head ran chunk by chunk (forward and the backward's recompute)."""
+    out = tmp_path / "fsdp.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", _port(), os.path.join(ROOT, "training", "fsdp_cpu_check.py"),
+           "--config", os.path.join(ROOT, "training", "configs", "fsdp_llama.yaml"), "--model_name_or_path", assets["llama"],
+           "--train_file", assets["train_txt"], "--out", str(out), "--chunked_loss", "--chunk_positions", "5"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    assert res["chunked_loss"] and res["world_size"] == 2
+    assert _rel(res["losses"], res["reference_losses"]) <= FSDP_LOSS_REL
+    calls = [tuple(c) for c in res["head_calls"]]
+    assert calls and all(rows == 2 and positions <= 5 for rows, positions in calls)
+    assert len(calls) == 3 * 2 * math.ceil(31 / 5), calls  # 3 steps × (forward + recompute) × chunks of 31 predicted positions
 
 
 def test_deepspeed_is_reported_when_unavailable():

@@ -49,11 +49,23 @@ def loss_chunk(vocab: int, batch: int = 1) -> int:
     return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab) * max(1, batch)))
 
 
+def _model_class(lm: nn.Module) -> type:
+    """``lm``'s class, or under FSDP2 (``fully_shard`` makes it ``FSDP<Class>``) the class it wraps."""
+    cls = type(lm)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a build without distributed)
+        return cls
+    if issubclass(cls, FSDPModule):
+        return next((b for b in cls.__bases__ if b is not FSDPModule), cls)
+    return cls
+
+
 def supports_chunked_loss(lm: nn.Module) -> bool:
     """Whether :func:`causal_lm_loss` computes ``lm``'s own loss (see the module docstring)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    if type(lm).__name__ not in PLAIN_HEADS or lm.get_output_embeddings() is None:
+    if _model_class(lm).__name__ not in PLAIN_HEADS or lm.get_output_embeddings() is None:
         return False
     return getattr(lm, "loss_function", None) is ForCausalLMLoss
 

@@ -37,7 +37,7 @@ class ModelArguments:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
     lora_target_modules: str | None = field(default=None, metadata={"help": "comma-separated LoRA targets (default: the architecture's attention projections)"})
     train_feature_maps: bool = field(default=True, metadata={"help": "with LoRA: train and save the rfa modules (modules_to_save)"})
-    chunked_loss: bool = field(default=True, metadata={"help": "causal LMs with a plain output head (Llama, Mistral, Qwen2/3, GPT-2): the training loss runs the head and the cross-entropy 96 MiB of float32 logits at a time instead of over every position at once (the same loss and gradients; not under FSDP or DeepSpeed)"})
+    chunked_loss: bool = field(default=True, metadata={"help": "causal LMs with a plain output head (Llama, Mistral, Qwen2/3, GPT-2): the training loss runs the head and the cross-entropy 96 MiB of float32 logits at a time instead of over every position at once (the same loss and gradients; also under FSDP2, not under FSDP version 1 or DeepSpeed)"})
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path:

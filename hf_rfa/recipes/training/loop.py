@@ -213,12 +213,15 @@ def evaluate(accelerator, model, dataloader, task: str, metric: tuple[str, ...] 
 def _training_loss(accelerator, model, model_args: ModelArguments, task: str):
     """The causal LM's training loss one chunk of logits at a time (``--chunked_loss``,
     :func:`hf_rfa.recipes.conversion.lm_loss.chunked_training_loss`), except for classifiers and
-    under FSDP or DeepSpeed (which gather the output head around the model's own forward)."""
+    under DeepSpeed and FSDP version 1. Under FSDP2 (``fully_shard``) the model's forward is replaced on
+    the sharded module itself, inside the hooks that gather the root unit's output head
+    (``training/fsdp_cpu_check.py --chunked_loss``)."""
     import contextlib
 
     from ..conversion.lm_loss import chunked_training_loss
 
-    sharded = str(accelerator.distributed_type).split(".")[-1] in ("FSDP", "DEEPSPEED")
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    sharded = kind == "DEEPSPEED" or (kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False))
     if task != "causal-lm" or not model_args.chunked_loss or sharded:
         return contextlib.nullcontext(False)
     return chunked_training_loss(accelerator.unwrap_model(model))

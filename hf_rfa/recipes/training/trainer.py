@@ -92,12 +92,15 @@ def run_trainer(model_args: ModelArguments, data_args: DataArguments, rfa_args: 
 def _training_loss(trainer, model, model_args: ModelArguments, classification: bool):
     """The causal LM's training loss one chunk of logits at a time (``--chunked_loss``,
     :func:`hf_rfa.recipes.conversion.lm_loss.chunked_training_loss`), except for classifiers and
-    under FSDP or DeepSpeed (which gather the output head around the model's own forward)."""
+    under DeepSpeed and FSDP version 1. Under FSDP2 (``fully_shard``) the model's forward is replaced on
+    the sharded module itself, inside the hooks that gather the root unit's output head
+    (``training/fsdp_cpu_check.py --chunked_loss``)."""
     import contextlib
 
     from ..conversion.lm_loss import chunked_training_loss
 
-    if classification or not model_args.chunked_loss or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+    fsdp1 = trainer.is_fsdp_enabled and not getattr(trainer.accelerator, "is_fsdp2", False)
+    if classification or not model_args.chunked_loss or fsdp1 or trainer.is_deepspeed_enabled:
         return contextlib.nullcontext(False)
     return chunked_training_loss(model)
 
