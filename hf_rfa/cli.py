@@ -255,7 +255,7 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
             out = {"task": a.task, **r}
         else:
             r = evaluation.perplexity(model, ids, a.context, a.max_tokens, progress=a.progress, seed=a.seed)
-            out = {"task": a.task, "perplexity": r["perplexity"], "ci95": r["ci95"], "tokens": r["tokens"], "windows": r["windows"], "context": r["context"]}
+            out = {"task": a.task, **{k: r[k] for k in ("perplexity", "ci95", "tokens", "windows", "context", "window_nll", "window_tokens")}}
         _write_output(a.output, out)
     print(json.dumps(out))
     return out

@@ -1,5 +1,7 @@
 """The published model's LoRA trained again with the exact memory switched on: does the model learn
-to read a memory it sees during training (README finding d)?
+to read a memory it sees during training (README finding d)? Also the LoRA with another objective
+or learning rate, or none at all (``--objective``, ``--lr``, ``--lora-tokens 0``): which LoRA keeps
+the original's few-shot accuracy (``research/short_task_loss/``)?
 
 The main job (``make main``) trains the recall preset's LoRA without memory and switches the
 memory of 256 keys per kv head (``feature_error``) on after training. Here everything but the
@@ -47,6 +49,9 @@ p.add_argument("--train-memory", type=int, default=256, help="exact memory per k
 p.add_argument("--output", default=None, help="folder for the trained model (hf_rfa.export; its memory stays switched on)")
 p.add_argument("--compare", default=None, help="a model folder to compare every weight with (e.g. the published model, with --train-memory 0)")
 p.add_argument("--seed", type=int, default=0, help="the main job's seed")
+p.add_argument("--objective", default="next_token", help="LoRA objective (lora.OBJECTIVES): next_token, as the main job, or distill")
+p.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate (the main job's: 1e-3)")
+p.add_argument("--lora-tokens", type=int, default=32768, help="LoRA budget (the main job's: 32,768 tokens; 0: no LoRA, the transferred maps on the original weights)")
 a = p.parse_args()
 torch.set_num_threads(int(os.environ.get("NT", "1")))
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -73,8 +78,12 @@ assert not unexpected and not [k for k in missing if ".rfa." in k], (unexpected,
 
 stream = evaluation.shuffled_batches(train, 4096, 1, a.seed + 7)  # the main job's LoRA stream
 autocast = devices.training_autocast("auto", devices.input_device(model), devices.weight_dtype(model))
-model, res = transfer.lora_finetune(model, stream, 32768, lr=1e-3, r=8, progress=False, autocast=autocast)
-lora = {**res.as_dict(), "autocast": str(autocast), "train_memory": a.train_memory, "minutes_total": round((time.time() - t0) / 60, 2)}
+if a.lora_tokens > 0:
+    model, res = transfer.lora_finetune(model, stream, a.lora_tokens, lr=a.lr, r=8, progress=False, autocast=autocast, objective=a.objective)
+    lora = {**res.as_dict(), "losses": res.losses, "lr": a.lr, "objective": a.objective}
+else:
+    lora = {"tokens": 0}
+lora.update({"autocast": str(autocast), "train_memory": a.train_memory, "minutes_total": round((time.time() - t0) / 60, 2)})
 print(json.dumps({"lora": lora}), flush=True)
 
 if a.compare:

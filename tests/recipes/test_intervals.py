@@ -292,6 +292,9 @@ def test_evaluate_single_tasks_report_intervals(tiny, capsys):
 
     r = evaluate_main(["--model", tiny["model"], "--text", tiny["a"], "--context", "32", "--max-tokens", "256", "--no-progress"])
     assert r["windows"] == 8 and r["ci95"][0] < r["perplexity"] < r["ci95"][1]
+    # each window's NLL sum and tokens, for paired comparisons of two models (intervals.ratio_ci)
+    assert len(r["window_nll"]) == 8 and r["window_tokens"] == [31] * 8
+    assert math.exp(sum(r["window_nll"]) / sum(r["window_tokens"])) == pytest.approx(r["perplexity"], rel=1e-9)
     both = evaluate_main(["--model", tiny["model"], "--task", "passkey", "--lengths", "220", "--trials", "2", "--fillers", "repeated", "natural",
                           "--filler-text", tiny["b"], "--no-progress"])
     assert set(both["by_filler"]) == {"repeated", "natural"} and "mean_ci95" in both["by_filler"]["natural"]
