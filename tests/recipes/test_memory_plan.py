@@ -140,6 +140,18 @@ def test_the_baseline_copy_is_planned_exactly_when_the_window_only_baseline_runs
         assert 0 < p.parts["lora"]["baseline copy"] < p.parts["lora"]["weights"] / 2
 
 
+def test_a_distilled_lora_plans_the_teachers_hidden_states_and_logits(tiny_llama):
+    """``lora_objective="distill"`` holds the teacher's final hidden states for the step and a chunk
+    of its logits beside the student's: a "teacher" part of the LoRA stage, larger with the context,
+    absent for the next-token objective; the other parts are the same."""
+    plain = memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0).parts["lora"]
+    distill = memory_plan.plan(_cfg(tiny_llama, lora_objective="distill"), runtime_bytes=0).parts["lora"]
+    longer = memory_plan.plan(_cfg(tiny_llama, lora_objective="distill", lora_context=2048), runtime_bytes=0).parts["lora"]
+    assert "teacher" not in plain and distill["teacher"] > 0 and longer["teacher"] > distill["teacher"]
+    assert {k: v for k, v in distill.items() if k != "teacher"} == plain
+    with pytest.raises(ValueError, match=r"lora_objective must be one of \['next_token', 'distill'\], got 'kl'"):
+        _cfg(tiny_llama, lora_objective="kl")
+
 def test_autocast_training_of_float32_weights_plans_the_low_precision_weight_copy(tiny_llama):
     """Under bf16 autocast, float32 weights' matmuls keep a bf16 copy of each weight for the backward
     (a --quick SmolLM2 run on a CPU with bf16 units peaked 0.65 GiB above a plan without it): the LoRA
