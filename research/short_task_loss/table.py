@@ -3,7 +3,7 @@ tokens of each model, against the original: ``collect`` gathers lm-eval folders 
 into result.jsonl; without it, the README's table is printed from result.jsonl.
 
     python research/short_task_loss/table.py collect --docs 400 \\
-        --model "original=LM_EVAL_DIR,WIKI_JSON,BBC_JSON" --model "LABEL=LM_EVAL_DIR,WIKI_JSON,BBC_JSON" ...
+        --model "original=LM_EVAL_DIR,WIKI_JSON,BBC_JSON" --model "LABEL=LM_EVAL_DIR[,WIKI_JSON,BBC_JSON]" ...
     python research/short_task_loss/table.py
 
 The first ``--model`` is the reference (the original). A perplexity file is the ``--output`` of
@@ -48,11 +48,12 @@ def collect(specs: list[str], docs: int) -> list[dict]:
     rows = []
     for spec in specs:
         label, sep, paths = spec.partition("=")
-        folder, wiki, bbc = (paths.split(",") + ["", ""])[:3] if sep else ("", "", "")
-        if not (sep and folder and wiki and bbc):
-            raise ValueError(f"--model {spec!r}: expected LABEL=LM_EVAL_DIR,WIKI_JSON,BBC_JSON")
-        rows.append({"model": label, "correct": _correct(folder, docs), "ppl": {k: _perplexity(p, TEXTS[k]) for k, p in (("wiki", wiki), ("bbc", bbc))},
-                     "sources": {"lm_eval": folder, "wiki": wiki, "bbc": bbc}})
+        parts = paths.split(",") if sep else []
+        if len(parts) not in (1, 3) or not all(parts) or (not rows and len(parts) != 3):
+            raise ValueError(f"--model {spec!r}: expected LABEL=LM_EVAL_DIR,WIKI_JSON,BBC_JSON (LABEL=LM_EVAL_DIR: no perplexity; not for the reference)")
+        files = dict(zip(("wiki", "bbc"), parts[1:]))
+        rows.append({"model": label, "correct": _correct(parts[0], docs), "ppl": {k: _perplexity(p, TEXTS[k]) for k, p in files.items()},
+                     "sources": {"lm_eval": parts[0], **files}})
     ref = rows[0]
     for r in rows:
         acc = sum(r["correct"]) / docs
@@ -75,8 +76,8 @@ def table(rows: list[dict]) -> str:
         rt, m = r["rt"], r["rt"]["minus_reference"]
         cells = [fmt(100 * rt["acc"], [100 * x for x in rt["ci95"]], ".1f"), fmt(100 * m["diff"], [100 * x for x in m["ci95"]], "+.1f")]
         for k in ("wiki", "bbc"):
-            p = r["ppl"][k]
-            cells += [fmt(p["perplexity"], p["ci95"]), fmt(p["ratio_to_reference"]["ratio"], p["ratio_to_reference"]["ci95"], ".3f")]
+            p = r["ppl"].get(k)
+            cells += [fmt(p["perplexity"], p["ci95"]), fmt(p["ratio_to_reference"]["ratio"], p["ratio_to_reference"]["ci95"], ".3f")] if p else ["not measured", ""]
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
