@@ -33,6 +33,12 @@ def _perplexity(path: str, text: str) -> dict:
     return data["texts"][text]["perplexity"]["4096"] if "texts" in data else data
 
 
+def _home(path: str) -> str:
+    """``path`` with the home folder written as ``~`` (the results file names no machine's paths)."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if path == home or path.startswith(home + os.sep) else path
+
+
 def _correct(folder: str, docs: int) -> list[float]:
     from downstream_table import read_lm_eval_folder
 
@@ -53,7 +59,7 @@ def collect(specs: list[str], docs: int) -> list[dict]:
             raise ValueError(f"--model {spec!r}: expected LABEL=LM_EVAL_DIR,WIKI_JSON,BBC_JSON (LABEL=LM_EVAL_DIR: no perplexity; not for the reference)")
         files = dict(zip(("wiki", "bbc"), parts[1:]))
         rows.append({"model": label, "correct": _correct(parts[0], docs), "ppl": {k: _perplexity(p, TEXTS[k]) for k, p in files.items()},
-                     "sources": {"lm_eval": parts[0], **files}})
+                     "sources": {k: _home(v) for k, v in {"lm_eval": parts[0], **files}.items()}})
     ref = rows[0]
     for r in rows:
         acc = sum(r["correct"]) / docs
