@@ -84,12 +84,11 @@ def main() -> None:
     model.get_output_embeddings().register_forward_hook(lambda m, i, o: head_calls.append(tuple(i[0].shape[:2])))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    per_rank = PER_RANK
     losses, ref_losses, prints = [], [], []
     for step in range(1, a.steps + 1):
-        rows = list(range((step - 1) * per_rank * world, step * per_rank * world))
+        rows = list(range((step - 1) * PER_RANK * world, step * PER_RANK * world))
         full = data.collator([data.train[i % len(data.train)] for i in rows])
-        mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full.items()}
+        mine = {k: v[rank * PER_RANK : (rank + 1) * PER_RANK] for k, v in full.items()}
         loss = model(**mine).loss
         loss.backward()
         opt.step()

@@ -26,6 +26,7 @@ TASK = "rfa_rotten_tomatoes"
 TEXTS = {"wiki": "wikipedia:eval", "bbc": "bbc_news:test"}
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+import downstream_table  # noqa: E402 - the sibling script's lm-eval reader and path rewriting
 
 
 def _perplexity(path: str, text: str) -> dict:
@@ -33,16 +34,8 @@ def _perplexity(path: str, text: str) -> dict:
     return data["texts"][text]["perplexity"]["4096"] if "texts" in data else data
 
 
-def _home(path: str) -> str:
-    """``path`` with the home folder written as ``~`` (the results file names no machine's paths)."""
-    home = os.path.expanduser("~")
-    return "~" + path[len(home):] if path == home or path.startswith(home + os.sep) else path
-
-
 def _correct(folder: str, docs: int) -> list[float]:
-    from downstream_table import read_lm_eval_folder
-
-    task = read_lm_eval_folder(os.path.expanduser(folder))["tasks"][TASK]
+    task = downstream_table.read_lm_eval_folder(os.path.expanduser(folder))["tasks"][TASK]
     scored = dict(zip(task["doc_ids"], task["correct"]))
     missing = [d for d in range(docs) if d not in scored]
     if missing:
@@ -59,7 +52,7 @@ def collect(specs: list[str], docs: int) -> list[dict]:
             raise ValueError(f"--model {spec!r}: expected LABEL=LM_EVAL_DIR,WIKI_JSON,BBC_JSON (LABEL=LM_EVAL_DIR: no perplexity; not for the reference)")
         files = dict(zip(("wiki", "bbc"), parts[1:]))
         rows.append({"model": label, "correct": _correct(parts[0], docs), "ppl": {k: _perplexity(p, TEXTS[k]) for k, p in files.items()},
-                     "sources": {k: _home(v) for k, v in {"lm_eval": parts[0], **files}.items()}})
+                     "sources": {k: downstream_table._portable(v, home_as="~") for k, v in {"lm_eval": parts[0], **files}.items()}})
     ref = rows[0]
     for r in rows:
         acc = sum(r["correct"]) / docs

@@ -61,6 +61,21 @@ def _tiny_llama(tmp_path) -> str:
     return str(tmp_path / "llama")
 
 
+def _one_two_fsdp(tmp_path, flags: list[str], fsdp_only: list[str] = ()) -> tuple[dict, dict, dict]:
+    """The reports of one conversion of a tiny Llama (hedgehog, window 4 + 1 sink, LoRA 256 tokens,
+    global batch 2, float32 training, ``flags`` on top) run in one process, in two, and in two under
+    FSDP (with ``fsdp_only`` too), written under ``tmp_path`` / one, two, fsdp."""
+    (tmp_path / "cal.txt").write_text(_text(2000, 0))
+    (tmp_path / "eval.txt").write_text(_text(2000, 1))
+    args = ["--model", _tiny_llama(tmp_path), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
+            "--lora-tokens", "256", "--batch-size", "2", "--context", "32", "--eval-contexts", "32", "--error-tokens", "32", "--train-autocast", "off",
+            "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt"), *flags]
+    _convert([*args, "--output", str(tmp_path / "one")], 1)
+    _convert([*args, "--output", str(tmp_path / "two")], 2)
+    _convert([*args, "--output", str(tmp_path / "fsdp"), *fsdp_only], 2, fsdp=True)
+    return tuple(json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two", "fsdp"))
+
+
 @pytest.mark.slow
 def test_two_processes_with_and_without_fsdp_equal_one(tmp_path):
     """Tiny Llama, hedgehog + decay, attention transfer then LoRA, global batch 2, float32 training
@@ -72,16 +87,7 @@ def test_two_processes_with_and_without_fsdp_equal_one(tmp_path):
     The FSDP run also takes --activation-checkpointing, and its LoRA loss is the chunked one."""
     from safetensors.torch import load_file
 
-    (tmp_path / "cal.txt").write_text(_text(2000, 0))
-    (tmp_path / "eval.txt").write_text(_text(2000, 1))
-    args = ["--model", _tiny_llama(tmp_path), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
-            "--decay", "16", "--transfer-tokens", "256", "--lora-tokens", "256", "--batch-size", "2", "--context", "32",
-            "--eval-contexts", "32", "--eval-tokens", "512", "--error-tokens", "32", "--train-autocast", "off",
-            "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
-    _convert([*args, "--output", str(tmp_path / "one")], 1)
-    _convert([*args, "--output", str(tmp_path / "two")], 2)
-    _convert([*args, "--output", str(tmp_path / "fsdp"), "--activation-checkpointing"], 2, fsdp=True)
-    one, two, fsdp = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two", "fsdp"))
+    one, two, fsdp = _one_two_fsdp(tmp_path, ["--decay", "16", "--transfer-tokens", "256", "--eval-tokens", "512"], fsdp_only=["--activation-checkpointing"])
     assert two["processes"] == fsdp["processes"] == 2 and "processes" not in one
     assert fsdp["fsdp"] is True and "fsdp" not in two
     # every run's LoRA loss is the chunked one (lm_loss; under FSDP a forward method of the root unit);
@@ -122,16 +128,7 @@ def test_distillation_lora_on_two_processes_with_and_without_fsdp_equals_one(tmp
     weights within 1e-5 and give the same perplexity within 1e-6 relative; the stage records it."""
     from safetensors.torch import load_file
 
-    (tmp_path / "cal.txt").write_text(_text(2000, 0))
-    (tmp_path / "eval.txt").write_text(_text(2000, 1))
-    args = ["--model", _tiny_llama(tmp_path), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
-            "--transfer-tokens", "0", "--lora-tokens", "256", "--batch-size", "2", "--context", "32", "--lora-objective", "distill",
-            "--eval-contexts", "32", "--eval-tokens", "256", "--error-tokens", "32", "--train-autocast", "off",
-            "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt")]
-    _convert([*args, "--output", str(tmp_path / "one")], 1)
-    _convert([*args, "--output", str(tmp_path / "two")], 2)
-    _convert([*args, "--output", str(tmp_path / "fsdp")], 2, fsdp=True)
-    one, two, fsdp = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two", "fsdp"))
+    one, two, fsdp = _one_two_fsdp(tmp_path, ["--transfer-tokens", "0", "--lora-objective", "distill", "--eval-tokens", "256"])
     assert fsdp["fsdp"] is True and one["stages"]["lora"]["objective"] == two["stages"]["lora"]["objective"] == fsdp["stages"]["lora"]["objective"] == "distill"
     assert one["stages"]["lora"]["loss_first"] > 0 and one["stages"]["lora"]["steps"] == 4
     w1 = load_file(tmp_path / "one" / "model.safetensors")

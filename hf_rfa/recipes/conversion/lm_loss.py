@@ -87,16 +87,23 @@ def causal_lm_loss(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, 
     return total / count
 
 
+def _chunked_sum(fn, head: nn.Module, chunk: int | None, hidden: torch.Tensor, *per_position: torch.Tensor) -> torch.Tensor:
+    """``Σ fn(head, hidden[:, part], *(t[:, part] for t in per_position))`` over parts of ``chunk``
+    positions (default: :func:`loss_chunk`), each under activation checkpointing, in float32."""
+    chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[1], chunk):
+        part = slice(i, i + chunk)
+        total = total + checkpoint(fn, head, hidden[:, part], *(t[:, part] for t in per_position), use_reentrant=False)
+    return total
+
+
 def _chunked_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of the next-token losses, number of predicted tokens)`` of ``hidden`` (``[B, N, h]``)
     against ``labels`` (``[B, N]``, -100 ignored), the head and the loss ``chunk`` positions at a
     time under activation checkpointing."""
-    chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
-    hidden, target = hidden[:, :-1], labels[:, 1:].to(hidden.device)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, hidden.shape[1], chunk):
-        total = total + checkpoint(_chunk_nll, head, hidden[:, i : i + chunk], target[:, i : i + chunk], use_reentrant=False)
-    return total, (target != -100).sum()
+    target = labels[:, 1:].to(hidden.device)
+    return _chunked_sum(_chunk_nll, head, chunk, hidden[:, :-1], target), (target != -100).sum()
 
 
 def kl_from_logits(logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,15 +136,9 @@ def distill_loss(
     hidden = lm.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     if teacher_hidden.shape != hidden.shape:
         raise ValueError(f"teacher_hidden must have the student's hidden shape {tuple(hidden.shape)}, got {tuple(teacher_hidden.shape)}")
-    head = lm.get_output_embeddings()
-    chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
     valid = labels[:, 1:].to(hidden.device) != -100
-    hidden, teacher = hidden[:, :-1], teacher_hidden[:, :-1].detach().to(hidden.dtype)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, hidden.shape[1], chunk):
-        part = slice(i, i + chunk)
-        total = total + checkpoint(_chunk_kl, head, hidden[:, part], teacher[:, part], valid[:, part], use_reentrant=False)
-    return total / valid.sum().clamp(min=1)
+    teacher = teacher_hidden[:, :-1].detach().to(hidden.dtype)
+    return _chunked_sum(_chunk_kl, lm.get_output_embeddings(), chunk, hidden[:, :-1], teacher, valid) / valid.sum().clamp(min=1)
 
 
 @contextlib.contextmanager

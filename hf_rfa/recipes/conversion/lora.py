@@ -204,7 +204,7 @@ def _train(
     if distill:
         register_capture()  # (the teacher's exact attention)
     if sharded and (chunked or distill):  # FSDP: the loss runs as a forward of the root unit, which gathers its head
-        fsdp.forward_method(peft_model, "lm_loss", lambda self, *a: _loss(self, *a))
+        fsdp.forward_method(peft_model, "lm_loss", _loss)
     res.chunked_loss = chunked
     res.objective = objective
     try:
