@@ -7,8 +7,8 @@
    (``feature_input="unrotated"``), with a learned decay of the feature state (half-life 128 at
    start) — trains the map by attention transfer on 131,072 train tokens at context 1024 (four
    optimiser steps per sequence: its last 256 queries, then the 256 before them, and so on down to
-   its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 32,768 tokens at context
-   4096 (token budgets: the 30-min limits are only safety limits that fail the run), with activation
+   its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 65,536 tokens at context
+   4096 and learning rate 3e-4 (token budgets: the 30-min limits are only safety limits that fail the run), with activation
    checkpointing (``--activation-checkpointing``: each decoder layer recomputed in LoRA's backward;
    the same training, about half the LoRA stage's memory for 1.14× its time);
 3. does the same for the **window-only baseline** (``--window-only-baseline``; ``feature_map="none"``: the

@@ -36,8 +36,8 @@ def test_convert_defaults_are_the_recall_preset():
     cfg = config_from_args(BASE)
     assert cfg.rfa == RFAConfig.from_preset("recall") == RFAConfig.from_preset(DEFAULT_PRESET)
     assert cfg.rfa.feature_map_options == {"hybrid_mix": True} and cfg.rfa_config() == cfg.rfa  # the CLI adds nothing
-    assert (cfg.transfer_tokens, cfg.transfer_query_blocks, cfg.context, cfg.lora_tokens, cfg.lora_context, cfg.memory_after_training) == (
-        131072, 4, 1024, 32768, 4096, 256)
+    assert (cfg.transfer_tokens, cfg.transfer_query_blocks, cfg.context, cfg.lora_tokens, cfg.lora_lr, cfg.lora_context, cfg.memory_after_training) == (
+        131072, 4, 1024, 65536, 3e-4, 4096, 256)
     assert cfg == ConversionConfig.from_preset("recall", model="m", output="o", calibration_text="c", eval_text="e")
     assert not cfg.baselines and not cfg.evaluates_window_only  # baselines only when asked
 
