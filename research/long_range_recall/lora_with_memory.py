@@ -8,8 +8,8 @@ memory of 256 keys per kv head (``feature_error``) on after training. Here every
 memory is the main job's: the original SmolLM2-135M-Instruct, converted with the recall preset and
 the transferred feature maps of the published model (``--maps``: the ``.rfa.`` tensors of its
 model.safetensors — LoRA does not train them, so they are the maps after its attention transfer),
-then the main job's LoRA (32,768 tokens at context 4,096, stream seed 0 + 7, r 8, lr 1e-3, the
-run's autocast rule) with ``--train-memory`` keys per kv head ranked by ``feature_error`` during
+then the main job's LoRA (the recall preset's budget and learning rate, 65,536 tokens at 3e-4 at
+context 4,096; stream seed 0 + 7, r 8, the run's autocast rule) with ``--train-memory`` keys per kv head ranked by ``feature_error`` during
 the LoRA only. The global generator that initialises the adapters is seeded as the main job seeds
 it (seed 0 before loading) and advanced as the main job's window-only baseline advances it (the
 initialisation of that baseline's adapters, which the main job draws first), so the LoRA starts
@@ -42,6 +42,9 @@ from hf_rfa.recipes import evaluation
 from hf_rfa.recipes.conversion import devices, transfer
 from hf_rfa.recipes.conversion.loading import load_model
 from hf_rfa.recipes.training.peft_utils import lora_config
+from hf_rfa.presets import PRESETS
+
+PRESET = PRESETS["recall"].training  # the main job's LoRA budget and learning rate
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--maps", required=True, help="the published model's folder (a make main output): its transferred feature maps")
@@ -50,8 +53,8 @@ p.add_argument("--output", default=None, help="folder for the trained model (hf_
 p.add_argument("--compare", default=None, help="a model folder to compare every weight with (e.g. the published model, with --train-memory 0)")
 p.add_argument("--seed", type=int, default=0, help="the main job's seed")
 p.add_argument("--objective", default="next_token", help="LoRA objective (lora.OBJECTIVES): next_token, as the main job, or distill")
-p.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate (the main job's: 1e-3)")
-p.add_argument("--lora-tokens", type=int, default=32768, help="LoRA budget (the main job's: 32,768 tokens; 0: no LoRA, the transferred maps on the original weights)")
+p.add_argument("--lr", type=float, default=PRESET["lora_lr"], help=f"LoRA learning rate (the main job's: {PRESET['lora_lr']:g})")
+p.add_argument("--lora-tokens", type=int, default=PRESET["lora_tokens"], help=f"LoRA budget (the main job's: {PRESET['lora_tokens']:,} tokens; 0: no LoRA, the transferred maps on the original weights)")
 a = p.parse_args()
 torch.set_num_threads(int(os.environ.get("NT", "1")))
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
