@@ -94,7 +94,9 @@ def collect(specs: list[str], flags: str, out: str, note: str = "", aliases: dic
         result = {**result, "model": model}
         command = f"hf-rfa-evaluate --model {model} {flags} --output {_portable(os.path.abspath(path), aliases)}"
         models[label] = {"model": model, "command": command, "minutes": round(result["minutes"], 2), "result": result}
-    data = {"cpu": cpu_name(), "threads": 1, "hf_rfa": hf_rfa.__version__, "note": note, "models": models}
+    # each model's torch threads where its result records them (older results do not)
+    data = {"cpu": cpu_name(), "threads": {label: m["result"].get("threads") for label, m in models.items()},
+            "hf_rfa": hf_rfa.__version__, "note": note, "models": models}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(data, indent=1) + "\n")
     return data
@@ -186,6 +188,17 @@ def goals(data: dict) -> list[str]:
     return lines
 
 
+def _threads(threads: int | dict) -> str:
+    """The kept file's torch threads as words: one count for every model (older files: an int), or
+    each model's, "not recorded" where its result predates the record."""
+    if isinstance(threads, int):
+        return f"{threads} thread" + ("s" if threads > 1 else "")
+    counts = set(threads.values())
+    if len(counts) == 1 and None not in counts:
+        return _threads(counts.pop())
+    return "threads: " + ", ".join(f"{m} {n if n is not None else 'not recorded'}" for m, n in threads.items())
+
+
 def render(data: dict) -> str:
     """The Markdown of the table, its notes, the goal lines and the commands (``data``: the kept file)."""
     original, recipe, window = names = _labels(data)
@@ -216,7 +229,7 @@ def render(data: dict) -> str:
             f"models read. Perplexity on {g['max_tokens']:,} predicted tokens per context at most; copy: the perplexity of the second copy "
             f"of a {g['passage']}-token passage (the first copy in brackets), {g['draws']} draws; passkey: {g['trials']} trials at each depth "
             f"of {depths}, \"digits\" without the answer's leading space token, \"exact\" with it (a cell at 0% or 100% has no spread). "
-            f"CPU: {data['cpu']}, {data['threads']} thread, float32; hf_rfa {data['hf_rfa']}.",
+            f"CPU: {data['cpu']}, {_threads(data['threads'])}, float32; hf_rfa {data['hf_rfa']}.",
             "", "Goals (computed from the table; met only where the interval lies on the goal's side):", "", *goals(data),
             "", "Commands (wall time per model):", "", "```bash"]
     for m in names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 from . import evaluation, long_range
@@ -92,6 +93,7 @@ def run_grid(model: nn.Module, tokenizer, grid: Grid, seed: int = 0, progress: b
         out["passkey"][kind] = long_range.passkey_task(
             model, tokenizer, grid.lengths, grid.depths, grid.trials, seed=seed, progress=progress, filler=filler)
     out["minutes"] = (time.perf_counter() - start) / 60
+    out["threads"] = torch.get_num_threads()  # CPU timings depend on it
     return out
 
 

@@ -134,6 +134,26 @@ def test_collect_keeps_portable_commands_that_reproduce_the_settings(tmp_path):
         bench.collect(specs, flags.replace("--draws 4", "--draws 8"), str(tmp_path / "other.json"))
 
 
+def test_the_cpu_line_names_each_models_threads_where_they_differ(tmp_path):
+    """collect keeps each model's torch threads from its result; the table says one count where all
+    agree, else each model's ("not recorded" for a result from before the record)."""
+    data = _data([2.95, 1.95, 3.35, 2.55], [1] * 10)
+    assert "test CPU, 1 thread, float32" in bench.render(data)  # an older kept file: one int
+    flags = ("--grid full --contexts 4096 8192 --max-tokens 400 --gaps 512 3584 --draws 4 --lengths 1024 --depths 0.5 "
+             "--trials 10 --fillers natural")
+    specs = []
+    for (label, m), threads in zip(data["models"].items(), (None, 2, 2)):
+        path = tmp_path / f"{label.split()[0]}.json"
+        path.write_text(json.dumps({**m["result"], **({"threads": threads} if threads else {})}))
+        specs.append(f"{label}={path}")
+    kept = bench.collect(specs, flags, str(tmp_path / "kept.json"))
+    assert kept["threads"] == {"original": None, "recipe": 2, "window-only W320": 2}
+    assert "threads: original not recorded, recipe 2, window-only W320 2, float32" in bench.render(kept)
+    kept = bench.collect(specs[1:] + specs[1:2], flags, str(tmp_path / "kept2.json"))
+    assert kept["threads"] == {"recipe": 2, "window-only W320": 2}
+    assert ", 2 threads, float32" in bench.render({**kept, "models": {**kept["models"], "x": kept["models"]["recipe"]}})
+
+
 def test_docs_page_holds_the_table_rendered_from_the_kept_results_file():
     """docs/conversion.md's grid table is the rendering of the kept file, byte for byte
     (``python benchmarks/grid_table.py --docs`` regenerates it), and every kept command runs the

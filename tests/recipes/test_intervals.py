@@ -267,6 +267,7 @@ def test_evaluate_grid_on_a_tiny_model_writes_every_figure_with_its_interval(tin
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(out_file.read_text()) == json.loads(json.dumps(out))
     assert out["task"] == "grid" and out["name"] == "full" and set(out["texts"]) == {tiny["a"], tiny["b"]}
+    assert out["threads"] == torch.get_num_threads()  # the timing's thread count, kept with the result
     for e in out["texts"].values():
         for ctx in ("32", "64"):
             p = e["perplexity"][ctx]
