@@ -6,6 +6,8 @@
     # 2. gather the folders into the kept file (per-document results, lm-eval's stderr, timings, CPU):
     python benchmarks/downstream_table.py collect original=OUT/original recipe=OUT/recipe \\
         "window-only W320=OUT/window-only-w320" --out benchmarks/results/downstream_smollm2_v0.2.0.json
+    #    (LABEL=FILE.json instead of a folder keeps that model's results from a kept file, e.g. the
+    #    original's when only the converted models were measured again)
     # 3. render the table into docs/lm_eval.md (between the downstream-table markers):
     python benchmarks/downstream_table.py --docs
 
@@ -133,9 +135,24 @@ def read_lm_eval_folder(folder: str, aliases: dict[str, str] | None = None) -> d
     return {"tasks": tasks, "commands": commands, "seconds": seconds}
 
 
+def kept_model(path: str, label: str) -> tuple[dict, dict]:
+    """``label``'s entry in a results file an earlier :func:`collect` wrote: its ``models`` entry
+    (commands, minutes, the CPU it ran on) and its result per task. For a table in which one model
+    is measured again and another (e.g. the original, whose weights do not change) is not."""
+    data = json.loads(Path(path).read_text())
+    if "models" not in data or "tasks" not in data:
+        raise ValueError(f"{path} is not a results file of this script (no 'models' and 'tasks')")
+    if label not in data["models"]:
+        raise ValueError(f"{path} holds no model {label!r} (it holds {sorted(data['models'])})")
+    entry = {"cpu": data.get("cpu", "unknown"), **data["models"][label]}
+    return entry, {t: per[label] for t, per in data["tasks"].items() if label in per}
+
+
 def collect(specs: list[str], out: str, note: str = "", aliases: dict[str, str] | None = None) -> dict:
     """Gather ``LABEL=FOLDER`` lm-eval runs (the first label: the original, the second: the recipe,
-    the third: the window-only baseline) into the kept results file ``out``."""
+    the third: the window-only baseline) into the kept results file ``out``. A ``LABEL=FILE.json``
+    takes that label's results from a results file an earlier collect wrote (:func:`kept_model`),
+    e.g. the kept file itself: its commands, minutes and CPU are kept with it."""
     import hf_rfa
     import lm_eval
 
@@ -143,10 +160,15 @@ def collect(specs: list[str], out: str, note: str = "", aliases: dict[str, str] 
     for spec in specs:
         label, _, folder = spec.partition("=")
         if not folder:
-            raise ValueError(f"give LABEL=FOLDER, got {spec!r}")
-        run = read_lm_eval_folder(os.path.expanduser(folder), aliases)
-        models[label] = {"commands": run["commands"], "minutes": round(run["seconds"] / 60, 2)}
-        for t, r in run["tasks"].items():
+            raise ValueError(f"give LABEL=FOLDER or LABEL=FILE.json, got {spec!r}")
+        folder = os.path.expanduser(folder)
+        if folder.endswith(".json") and os.path.isfile(folder):
+            models[label], per_task = kept_model(folder, label)
+        else:
+            run = read_lm_eval_folder(folder, aliases)
+            models[label] = {"commands": run["commands"], "minutes": round(run["seconds"] / 60, 2), "cpu": cpu_name()}
+            per_task = run["tasks"]
+        for t, r in per_task.items():
             tasks.setdefault(t, {})[label] = r
     data = {"cpu": cpu_name(), "hf_rfa": hf_rfa.__version__, "lm_eval": lm_eval.__version__, "note": note,
             "models": models, "tasks": {t: tasks[t] for t in sorted(tasks, key=lambda t: (is_manyshot(t), t))}}
@@ -220,6 +242,14 @@ def goals(data: dict) -> list[str]:
     return lines
 
 
+def _cpus(data: dict) -> str:
+    """The CPU the models ran on; each model's where they differ (a model kept from an earlier file)."""
+    cpus = {m: e.get("cpu", data["cpu"]) for m, e in data["models"].items()}
+    if len(set(cpus.values())) <= 1:
+        return next(iter(cpus.values()), data["cpu"])
+    return "; ".join(f"{m}: {c}" for m, c in cpus.items())
+
+
 def render(data: dict) -> str:
     """The Markdown of the table, the goal lines and the commands (``data``: the kept file)."""
     names = list(data["models"])
@@ -238,7 +268,7 @@ def render(data: dict) -> str:
         out.append(f"| `{t}` | {per[original]['shots']} | {n} | " + " | ".join(_cell(per[m]) for m in names) + " | "
                    + " | ".join(f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" for d, lo, hi in diffs) + " |")
     out += ["", f"Accuracy in %, [95% interval] = acc ± 1.96·stderr (lm-eval's stderr); differences in points with a 95% paired "
-            f"bootstrap interval over the documents. CPU: {data['cpu']} (float32, batch 1); lm-eval {data['lm_eval']}, hf_rfa {data['hf_rfa']}.",
+            f"bootstrap interval over the documents. CPU: {_cpus(data)} (float32, batch 1); lm-eval {data['lm_eval']}, hf_rfa {data['hf_rfa']}.",
             "", "Goals (computed from the table):", "", *goals(data), "", "Commands (lm-eval wall time per model):", "", "```bash"]
     for m in names:
         out.append(f"# {m}: {data['models'][m]['minutes']:.1f} min")
@@ -265,7 +295,8 @@ def replace_section(page: str, section: str, begin: str = BEGIN, end: str = END,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", help="'collect' then LABEL=FOLDER of lm-eval output (original, recipe, window-only); "
+    p.add_argument("runs", nargs="*", help="'collect' then LABEL=FOLDER of lm-eval output (original, recipe, window-only; LABEL=FILE.json: "
+                   "that model's results from a kept results file); "
                    "or 'compare A=FOLDER B=FOLDER' (with --task): each one's accuracy and A − B paired")
     p.add_argument("--out", default=str(ROOT / RESULTS_FILE), help="collect: the results file to write")
     p.add_argument("--note", default="", help="collect: a line shown under the table")

