@@ -6,6 +6,8 @@
     python benchmarks/grid_table.py collect original=OUT/original.json recipe=OUT/recipe.json \\
         "window-only W320=OUT/window-only-w320.json" --flags "FLAGS" \\
         --alias DIR=out/smollm2-135m-rfa --out benchmarks/results/grid_smollm2_v0.2.0.json
+    #    (LABEL=the kept file keeps that model as it stands there, e.g. the original's result when
+    #    only the converted models were evaluated again)
     # 3. render the table into docs/conversion.md (between the grid-table markers):
     python benchmarks/grid_table.py --docs
 
@@ -86,6 +88,9 @@ def collect(specs: list[str], flags: str, out: str, note: str = "", aliases: dic
         if not path:
             raise ValueError(f"give LABEL=FILE.json, got {spec!r}")
         result = json.loads(Path(os.path.expanduser(path)).read_text())
+        if "models" in result and "task" not in result:  # a kept file of an earlier collect: that label's entry as kept
+            models[label] = _kept_model(result, label, path, expected)
+            continue
         if result.get("task") != "grid":
             raise ValueError(f"{path} is not a grid result (task {result.get('task')!r})")
         if result["grid"] != expected:
@@ -93,13 +98,27 @@ def collect(specs: list[str], flags: str, out: str, note: str = "", aliases: dic
         model = _portable(result["model"], aliases)
         result = {**result, "model": model}
         command = f"hf-rfa-evaluate --model {model} {flags} --output {_portable(os.path.abspath(path), aliases)}"
-        models[label] = {"model": model, "command": command, "minutes": round(result["minutes"], 2), "result": result}
+        models[label] = {"model": model, "command": command, "minutes": round(result["minutes"], 2), "result": result, "cpu": cpu_name()}
     # each model's torch threads where its result records them (older results do not)
     data = {"cpu": cpu_name(), "threads": {label: m["result"].get("threads") for label, m in models.items()},
             "hf_rfa": hf_rfa.__version__, "note": note, "models": models}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def _kept_model(kept: dict, label: str, path: str, expected: dict) -> dict:
+    """``label``'s entry of a kept results file (result, command, minutes and the CPU it ran on), for a
+    table in which the other models are measured again; its grid must be the flags' grid too."""
+    if label not in kept["models"]:
+        raise ValueError(f"{path} holds no model {label!r} (it holds {sorted(kept['models'])})")
+    entry = dict(kept["models"][label])
+    if entry["result"]["grid"] != expected:
+        raise ValueError(f"{path}'s {label!r} ran {entry['result']['grid']}, not the grid of the flags {expected}")
+    entry.setdefault("cpu", kept.get("cpu", "unknown"))
+    if entry["result"].get("threads") is None and isinstance(kept.get("threads"), int):
+        entry["result"] = {**entry["result"], "threads": kept["threads"]}  # a file from before results recorded them
+    return entry
 
 
 # --------------------------------------------------------------------------- render
@@ -229,7 +248,7 @@ def render(data: dict) -> str:
             f"models read. Perplexity on {g['max_tokens']:,} predicted tokens per context at most; copy: the perplexity of the second copy "
             f"of a {g['passage']}-token passage (the first copy in brackets), {g['draws']} draws; passkey: {g['trials']} trials at each depth "
             f"of {depths}, \"digits\" without the answer's leading space token, \"exact\" with it (a cell at 0% or 100% has no spread). "
-            f"CPU: {data['cpu']}, {_threads(data['threads'])}, float32; hf_rfa {data['hf_rfa']}.",
+            f"CPU: {downstream_table._cpus(data)}, {_threads(data['threads'])}, float32; hf_rfa {data['hf_rfa']}.",
             "", "Goals (computed from the table; met only where the interval lies on the goal's side):", "", *goals(data),
             "", "Commands (wall time per model):", "", "```bash"]
     for m in names:
@@ -253,7 +272,8 @@ def replace_section(page: str, section: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", help="'collect' then LABEL=FILE.json of hf-rfa-evaluate --grid (original, recipe, window-only)")
+    p.add_argument("runs", nargs="*", help="'collect' then LABEL=FILE.json of hf-rfa-evaluate --grid (original, recipe, window-only), "
+                   "or of a kept results file (that label's entry as kept)")
     p.add_argument("--flags", default="", help="collect: the flags every model ran with after --model DIR (checked against each result)")
     p.add_argument("--out", default=str(ROOT / RESULTS_FILE), help="collect: the results file to write")
     p.add_argument("--note", default="", help="collect: a line shown under the table")

@@ -166,3 +166,33 @@ def test_docs_page_holds_the_table_rendered_from_the_kept_results_file():
         argv = shlex.split(m["command"])
         assert argv[:3] == ["hf-rfa-evaluate", "--model", m["model"]] and argv[-2] == "--output"
         assert bench.grid_of_flags(shlex.join(argv[3:-2])) == m["result"]["grid"]
+
+
+def test_collect_keeps_a_model_from_a_kept_results_file(tmp_path):
+    """``LABEL=KEPT.json`` (a file an earlier collect wrote) keeps that model's result, command, CPU and
+    threads as they stand there, next to models read from new results; the kept model must have run
+    the flags' grid, and a label the file does not hold is refused by name."""
+    flags = ("--grid full --contexts 4096 8192 --max-tokens 400 --gaps 512 3584 --draws 4 --lengths 1024 --depths 0.5 "
+             "--trials 10 --fillers natural")
+    old = _data([2.95, 1.95, 3.35, 2.55], [1] * 10)  # an older kept file: one CPU, threads one int
+    old["models"]["original"]["command"] = "hf-rfa-evaluate --model ORIGINAL ..."
+    (tmp_path / "kept.json").write_text(json.dumps(old))
+    specs = [f"original={tmp_path / 'kept.json'}"]
+    for label in ("recipe", "window-only W320"):
+        path = tmp_path / f"{label.split()[0]}.json"
+        path.write_text(json.dumps({**old["models"][label]["result"], "threads": 2}))
+        specs.append(f"{label}={path}")
+    new = bench.collect(specs, flags, str(tmp_path / "new.json"))
+    assert list(new["models"]) == ["original", "recipe", "window-only W320"]
+    assert new["models"]["original"]["command"] == "hf-rfa-evaluate --model ORIGINAL ..."
+    assert new["models"]["original"]["result"]["texts"] == old["models"]["original"]["result"]["texts"]
+    assert new["threads"] == {"original": 1, "recipe": 2, "window-only W320": 2}
+    assert new["models"]["original"]["cpu"] == "test CPU" and new["models"]["recipe"]["cpu"] == bench.cpu_name()
+    text = bench.render(new)
+    assert "threads: original 1, recipe 2, window-only W320 2" in text
+    if bench.cpu_name() != "test CPU":
+        assert f"CPU: original: test CPU; recipe: {bench.cpu_name()}" in text
+    with pytest.raises(ValueError, match="holds no model 'baseline'"):
+        bench.collect([f"baseline={tmp_path / 'kept.json'}"], flags, str(tmp_path / "x.json"))
+    with pytest.raises(ValueError, match="not the grid of the flags"):
+        bench.collect(specs[:1], flags.replace("--draws 4", "--draws 8"), str(tmp_path / "x.json"))
