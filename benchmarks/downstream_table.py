@@ -79,16 +79,19 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def _command(cfg: dict, tasks: dict[str, list[int]], out_dir: str, aliases: dict[str, str] | None = None) -> str:
+def _command(cfg: dict, tasks: dict[str, list[int]], out_dir: str, aliases: dict[str, str] | None = None,
+             sizes: dict[str, int] | None = None) -> str:
     """The ``hf-rfa-lm-eval`` command line of one lm-eval run (as run: cpu, batch 1, samples logged);
-    ``tasks``: the documents it scored per task (a run without ``--limit`` names them with ``--samples``)."""
+    ``tasks``: the documents it scored per task (a run without ``--limit`` names them with ``--samples``
+    unless it scored every document: ``sizes``, each task's number of documents, lm-eval's
+    ``n-samples`` ``original``)."""
     args = cfg.get("model_args")
     if isinstance(args, dict):
         args = ",".join(f"{k}={v}" for k, v in args.items())
     parts = ["hf-rfa-lm-eval", "--model", cfg["model"], "--model_args", _portable(args, aliases), "--tasks", ",".join(tasks)]
     if cfg.get("limit") is not None:
         parts += ["--limit", str(int(cfg["limit"]))]
-    elif any(ids != list(range(len(ids))) for ids in tasks.values()):
+    elif any(ids != list(range(len(ids))) or (sizes or {}).get(t, len(ids)) != len(ids) for t, ids in tasks.items()):
         parts += ["--samples", json.dumps(tasks, separators=(",", ":"))]
     parts += ["--device", "cpu", "--batch_size", "1", "--log_samples", "--output_path", _portable(out_dir, aliases)]
     return " ".join(_shell(a) for a in parts)
@@ -124,7 +127,8 @@ def read_lm_eval_folder(folder: str, aliases: dict[str, str] | None = None) -> d
             entry = per_task.setdefault(t, {"shots": int(res["n-shot"][t]), "docs": {}})
             entry["docs"].update({int(x["doc_id"]): float(x["acc"]) for x in samples})
             scored[t] = sorted(int(x["doc_id"]) for x in samples)
-        commands.append(_command(res["config"], scored, folder, aliases))
+        sizes = {t: int(n["original"]) for t, n in (res.get("n-samples") or {}).items() if "original" in n}
+        commands.append(_command(res["config"], scored, folder, aliases, sizes))
         seconds += float(res.get("total_evaluation_time_seconds") or 0.0)
     tasks = {}
     for t, e in per_task.items():

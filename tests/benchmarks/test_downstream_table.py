@@ -168,3 +168,12 @@ def test_render_names_each_model_s_cpu_where_they_differ():
     for m in ("recipe", "window-only W320"):
         data["models"][m]["cpu"] = "CPU B"
     assert "CPU: original: CPU A; recipe: CPU B; window-only W320: CPU B (float32" in bench.render(data)
+
+
+def test_a_samples_run_from_the_first_document_is_named_by_samples():
+    """A run given ``--samples`` 0..n-1 of a larger task (no ``--limit``) is kept with ``--samples``: the
+    command must not score the whole task; a run that scored every document needs neither."""
+    cfg = {"model": "hf_rfa", "model_args": "pretrained=x", "limit": None}
+    cmd = bench._command(cfg, {"t": [0, 1, 2]}, "out", sizes={"t": 10})
+    assert """--samples '{"t":[0,1,2]}'""" in cmd
+    assert "--samples" not in bench._command(cfg, {"t": [0, 1, 2]}, "out", sizes={"t": 3})
