@@ -439,3 +439,31 @@ def test_lora_distillation_starts_at_zero_on_the_original_and_recovers_a_convers
     assert kl_to_original(merged) < before
     with pytest.raises(ValueError, match=r"objective must be one of \['next_token', 'distill'\], got 'kl'"):
         transfer.lora_finetune(tiny_model("llama"), iter([]), tokens=1, objective="kl")
+
+
+@pytest.mark.parametrize("window, fits", [(14, True), (15, False), (20, False)])
+def test_query_blocks_whose_earliest_sees_no_key_beyond_the_window_are_refused(window, fits):
+    """64 tokens, 4 blocks of 16 queries: the earliest block's last query (position 15) sees a key
+    beyond window W + 1 sink only while 15 >= W + 1; at the edge it still fits (a gradient flows),
+    past it the run is refused up front with what would fit, not by autograd mid-run."""
+    m = tiny_model("llama")
+    hf_rfa.convert(m, hf_rfa.RFAConfig(**{**HYBRID, "window": window}))
+    run = lambda: transfer.attention_transfer(m, evaluation.shuffled_batches(_ids(), 64, 1, seed=3), tokens=64, queries=16, query_blocks=4, init_mix=False, progress=False)
+    if fits:
+        r = run()
+        assert r.steps == 4 and all(math.isfinite(x) for x in r.losses)
+    else:
+        most = (64 - 1 - window - 1) // 16 + 1
+        with pytest.raises(ValueError, match=rf"earliest block \(queries 0–15\) has no key beyond window {window} \+ 1 sinks.*at most {most} blocks or a context of at least {48 + window + 2}"):
+            run()
+
+
+def test_conversion_config_refuses_query_blocks_inside_the_window():
+    from hf_rfa.recipes.conversion.config import ConversionConfig
+    from hf_rfa.presets import get_preset
+
+    base = dict(model="x", output="o", calibration_text="c", eval_text="e", context=1024, transfer_queries=256)
+    rfa = get_preset("recall").config(window=256, sinks=4)
+    ConversionConfig(**base, rfa=rfa, transfer_query_blocks=3)
+    with pytest.raises(ValueError, match=r"transfer_query_blocks=4 × transfer_queries=256 at context 1024: .*window 256 \+ 4 sinks.*at most 3 blocks or a context of at least 1029"):
+        ConversionConfig(**base, rfa=rfa, transfer_query_blocks=4)

@@ -105,6 +105,10 @@ class ConversionConfig:
                     f"transfer_query_blocks × transfer_queries must fit in context ({self.context}), got "
                     f"{self.transfer_query_blocks} × {self.transfer_queries}"
                 )
+            if self.rfa.window > 0:
+                from .transfer import check_query_blocks_reach
+
+                check_query_blocks_reach(self.context, self.transfer_query_blocks, self.transfer_queries, self.rfa.window, self.rfa.sinks)
         for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "encoder_max_length", "random_num_features", "copy_draws", "passkey_trials"):
             _check_int(name, getattr(self, name), 1)
         for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max", "memory_after_training", "encoder_pack_tokens"):

@@ -186,6 +186,20 @@ def _check_settings(schedule: str, query_blocks, queries: int | None, max_positi
         raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
 
 
+def check_query_blocks_reach(context: int, query_blocks: int, queries: int, window: int, sinks: int) -> None:
+    """Refuse query blocks of which the earliest holds no query with a key beyond the exact window
+    and sinks: its layer outputs are exact, independent of the feature map, with nothing to fit
+    (a ``ValueError`` naming the settings and what would fit)."""
+    last = context - (query_blocks - 1) * queries - 1  # the earliest block's last query position
+    if query_blocks > 1 and last < window + sinks:
+        most = max((context - 1 - window - sinks) // queries + 1, 0)
+        raise ValueError(
+            f"transfer_query_blocks={query_blocks} × transfer_queries={queries} at context {context}: the earliest block "
+            f"(queries {last - queries + 1}–{last}) has no key beyond window {window} + {sinks} sinks, so nothing to fit; "
+            f"use at most {most} blocks or a context of at least {(query_blocks - 1) * queries + window + sinks + 1}"
+        )
+
+
 @dataclass
 class _Plan:
     """One attention-transfer run's settings (:func:`attention_transfer`'s arguments) and its
@@ -247,6 +261,10 @@ def _train(model: nn.Module, chosen: dict[int, nn.Module], batches, plan: _Plan,
             n = distributed.global_tokens(int(mask.sum()) if mask is not None else ids.numel())
             if plan.query_blocks > 1 and plan.query_blocks * plan.queries > nk:
                 raise ValueError(f"query_blocks ({plan.query_blocks}) × queries ({plan.queries}) exceeds the sequence length ({nk})")
+            if res.steps == 0 and plan.query_blocks > 1 and next(iter(caps.values())).causal:
+                for rfa in chosen.values():
+                    if rfa.spec.window > 0:
+                        check_query_blocks_reach(nk, plan.query_blocks, plan.queries, rfa.spec.window, rfa.spec.sinks)
             for b in range(plan.query_blocks):
                 res.losses.append(_step(opt, chosen, caps, nk, b, (res.tokens + n * b / plan.query_blocks) / max(plan.tokens, 1), plan, fit, device))
                 res.steps += 1
