@@ -45,7 +45,7 @@ p.add_argument("--memory", type=int, default=256)
 p.add_argument("--draws", type=int, default=4)
 p.add_argument("--gaps", default="512,3584")
 p.add_argument("--trials", type=int, default=3)
-p.add_argument("--lengths", default="1024,2048,4096")
+p.add_argument("--lengths", default="1024,2048,4096", help="passkey lengths ('': no passkey)")
 p.add_argument("--ppl-context", type=int, default=4096)
 p.add_argument("--ppl-windows", type=int, default=2)
 p.add_argument("--out", default=str(Path(__file__).with_name("result.jsonl")))
@@ -99,9 +99,10 @@ for name in a.variants.split(","):
         for gap in (int(g) for g in a.gaps.split(",")):
             r = long_range.copy_task(model, ids, gap=gap, draws=a.draws, seed=0, progress=False)
             row[f"copy{gap}"] = {k: r[k] for k in ("second", "second_ci95", "first", "per_draw")}
-        pk = long_range.passkey_task(model, tok, lengths=tuple(int(x) for x in a.lengths.split(",")), depths=(0.1, 0.5, 0.9),
-                                     trials=a.trials, seed=0, progress=False, filler=filler)
-        row["passkey"] = {k: pk[k] for k in ("mean", "mean_ci95", "key_mean", "key_mean_ci95", "hits", "key_hits", "filler")}
+        if a.lengths:
+            pk = long_range.passkey_task(model, tok, lengths=tuple(int(x) for x in a.lengths.split(",")), depths=(0.1, 0.5, 0.9),
+                                         trials=a.trials, seed=0, progress=False, filler=filler)
+            row["passkey"] = {k: pk[k] for k in ("mean", "mean_ci95", "key_mean", "key_mean_ci95", "hits", "key_hits", "filler")}
     row["first_token"] = list(FIRST)
     row["minutes"] = round((time.time() - t0) / 60, 2)
     print(json.dumps({k: v for k, v in row.items() if k != "first_token"}), flush=True)
