@@ -111,7 +111,7 @@ def test_user_errors_are_one_line_before_any_work(tiny_dir, tmp_path, case, caps
     base = _base(tiny_dir, tmp_path / "out")
     argv = {
         "missing-text": [*base, "--feature-input", "rotated", "--train-text", str(tmp_path / "nope.txt")],
-        "positions": [*base, "--feature-input", "rotated", "--eval-contexts", "4096", "--context", "32", "--lora-context", "32", "--transfer-queries", "8"],
+        "positions": [*base, "--feature-input", "rotated", "--eval-contexts", "4096", "--context", "32", "--lora-context", "32", "--transfer-queries", "8", "--transfer-query-blocks", "1"],
         "unrotated": base,  # recall (the default) reads q/k before the rotary embedding: GPT-2 has none
         "bad-value": [*base, "--window", "-1"],
     }[case]

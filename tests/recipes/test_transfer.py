@@ -467,3 +467,6 @@ def test_conversion_config_refuses_query_blocks_inside_the_window():
     ConversionConfig(**base, rfa=rfa, transfer_query_blocks=3)
     with pytest.raises(ValueError, match=r"transfer_query_blocks=4 × transfer_queries=256 at context 1024: .*window 256 \+ 4 sinks.*at most 3 blocks or a context of at least 1029"):
         ConversionConfig(**base, rfa=rfa, transfer_query_blocks=4)
+    # a context inside the window and sinks: no block count fits, only a longer context
+    with pytest.raises(ValueError, match=r"at context 32: .*window 256 \+ 4 sinks, so nothing to fit; use a context of at least 285$"):
+        ConversionConfig(**{**base, "context": 32, "transfer_queries": 8}, rfa=rfa, transfer_query_blocks=4)

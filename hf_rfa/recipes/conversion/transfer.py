@@ -193,10 +193,11 @@ def check_query_blocks_reach(context: int, query_blocks: int, queries: int, wind
     last = context - (query_blocks - 1) * queries - 1  # the earliest block's last query position
     if query_blocks > 1 and last < window + sinks:
         most = max((context - 1 - window - sinks) // queries + 1, 0)
+        least = (query_blocks - 1) * queries + window + sinks + 1
+        fix = f"use at most {most} blocks or a context of at least {least}" if most >= 1 else f"use a context of at least {least}"
         raise ValueError(
             f"transfer_query_blocks={query_blocks} × transfer_queries={queries} at context {context}: the earliest block "
-            f"(queries {last - queries + 1}–{last}) has no key beyond window {window} + {sinks} sinks, so nothing to fit; "
-            f"use at most {most} blocks or a context of at least {(query_blocks - 1) * queries + window + sinks + 1}"
+            f"(queries {max(last - queries + 1, 0)}–{last}) has no key beyond window {window} + {sinks} sinks, so nothing to fit; {fix}"
         )
 
 
