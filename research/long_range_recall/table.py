@@ -1,5 +1,5 @@
 """The README's tables from result.jsonl (recall.py's rows), memory_size.jsonl (recall.py's rows of
-the memory-size sweep, where present) and attention_mass.jsonl.
+the memory-size sweep, where present), decay.jsonl (the decay variants, where present) and attention_mass.jsonl.
 
     python research/long_range_recall/table.py
 """
@@ -53,4 +53,13 @@ if (here / "memory_size.jsonl").exists():
         ppl = r["ppl@4096"]
         ratio = ppl["ratio_to_reference"]
         print(f"| {r['memory']} | {64 + 4 + r['memory']} | {fmt(ppl['perplexity'], ppl['ci95'])} | {fmt(ratio['ratio'], ratio['ci95'], '.3f')} | "
+              f"{fmt(r['copy512']['second'], r['copy512']['second_ci95'])} | {fmt(r['copy3584']['second'], r['copy3584']['second_ci95'])} | {r['minutes']} |")
+if (here / "decay.jsonl").exists():
+    print()
+    print("| variant (memory 256, `feature_error`) | ppl @4k | × published | copy @512 | copy @3,584 | minutes |")
+    print("|---|---|---|---|---|---|")
+    for r in map(json.loads, open(here / "decay.jsonl")):
+        ppl = r["ppl@4096"]
+        ratio = ppl["ratio_to_reference"]
+        print(f"| {r['variant']} | {fmt(ppl['perplexity'], ppl['ci95'])} | {fmt(ratio['ratio'], ratio['ci95'], '.3f')} | "
               f"{fmt(r['copy512']['second'], r['copy512']['second_ci95'])} | {fmt(r['copy3584']['second'], r['copy3584']['second_ci95'])} | {r['minutes']} |")
