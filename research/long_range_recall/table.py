@@ -44,22 +44,26 @@ print("|---|---|---|")
 for lo, hi in ((0, 2), (3, 8), (9, 11), (12, 19), (20, 29)):
     part = [m for m in mass if lo <= m["layer"] <= hi]
     print(f"| {lo}–{hi} | {sum(m['layer_mass'] for m in part) / total:.0%} | {', '.join(str(m['proportional_memory']) for m in part)} |")
+
+
+def recall_cells(r: dict) -> str:
+    """One recall.py row's perplexity, paired ratio, copy and minutes cells (without the first cell)."""
+    ppl = r["ppl@4096"]
+    ratio = ppl["ratio_to_reference"]
+    return (f"{fmt(ppl['perplexity'], ppl['ci95'])} | {fmt(ratio['ratio'], ratio['ci95'], '.3f')} | "
+            f"{fmt(r['copy512']['second'], r['copy512']['second_ci95'])} | {fmt(r['copy3584']['second'], r['copy3584']['second_ci95'])} | {r['minutes']} |")
+
+
 if (here / "memory_size.jsonl").exists():
     sweep = sorted((json.loads(line) for line in open(here / "memory_size.jsonl")), key=lambda r: r["memory"])
     print()
     print("| memory per kv head | exact keys per query (W64 + 4 sinks + memory) | ppl @4k | × memory 256 | copy @512 | copy @3,584 | minutes |")
     print("|---|---|---|---|---|---|---|")
     for r in sweep:
-        ppl = r["ppl@4096"]
-        ratio = ppl["ratio_to_reference"]
-        print(f"| {r['memory']} | {64 + 4 + r['memory']} | {fmt(ppl['perplexity'], ppl['ci95'])} | {fmt(ratio['ratio'], ratio['ci95'], '.3f')} | "
-              f"{fmt(r['copy512']['second'], r['copy512']['second_ci95'])} | {fmt(r['copy3584']['second'], r['copy3584']['second_ci95'])} | {r['minutes']} |")
+        print(f"| {r['memory']} | {64 + 4 + r['memory']} | {recall_cells(r)}")
 if (here / "decay.jsonl").exists():
     print()
     print("| variant (memory 256, `feature_error`) | ppl @4k | × published | copy @512 | copy @3,584 | minutes |")
     print("|---|---|---|---|---|---|")
     for r in map(json.loads, open(here / "decay.jsonl")):
-        ppl = r["ppl@4096"]
-        ratio = ppl["ratio_to_reference"]
-        print(f"| {r['variant']} | {fmt(ppl['perplexity'], ppl['ci95'])} | {fmt(ratio['ratio'], ratio['ci95'], '.3f')} | "
-              f"{fmt(r['copy512']['second'], r['copy512']['second_ci95'])} | {fmt(r['copy3584']['second'], r['copy3584']['second_ci95'])} | {r['minutes']} |")
+        print(f"| {r['variant']} | {recall_cells(r)}")
