@@ -197,7 +197,7 @@ def check_query_blocks_reach(context: int, query_blocks: int, queries: int, wind
         fix = f"use at most {most} blocks or a context of at least {least}" if most >= 1 else f"use a context of at least {least}"
         raise ValueError(
             f"transfer_query_blocks={query_blocks} × transfer_queries={queries} at context {context}: the earliest block "
-            f"(queries {max(last - queries + 1, 0)}–{last}) has no key beyond window {window} + {sinks} sinks, so nothing to fit; {fix}"
+            f"(queries {last - queries + 1}–{last}) has no key beyond window {window} + {sinks} sinks, so nothing to fit; {fix}"
         )
 
 
