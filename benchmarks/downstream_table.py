@@ -34,6 +34,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from hf_rfa.integrations.lm_eval_samples import compact_samples
+
 ROOT = Path(__file__).resolve().parents[1]
 #: the kept results file and the page section it renders into (relative to the repository root)
 RESULTS_FILE = os.path.join("benchmarks", "results", "downstream_smollm2_v0.2.0.json")
@@ -92,7 +94,7 @@ def _command(cfg: dict, tasks: dict[str, list[int]], out_dir: str, aliases: dict
     if cfg.get("limit") is not None:
         parts += ["--limit", str(int(cfg["limit"]))]
     elif any(ids != list(range(len(ids))) or (sizes or {}).get(t, len(ids)) != len(ids) for t, ids in tasks.items()):
-        parts += ["--samples", json.dumps(tasks, separators=(",", ":"))]
+        parts += ["--samples", compact_samples(tasks)]
     parts += ["--device", "cpu", "--batch_size", "1", "--log_samples", "--output_path", _portable(out_dir, aliases)]
     return " ".join(_shell(a) for a in parts)
 

@@ -12,6 +12,10 @@ on the include path, then runs lm-eval's own command line::
 converted model through :func:`hf_rfa.from_pretrained` (an unconverted folder is refused unless
 ``rfa_<field>=...`` model arguments ask to convert it on load, e.g. the window-only baseline
 ``rfa_feature_map=none,rfa_window=64,rfa_sinks=4``) and generates with :class:`hf_rfa.RFACache`.
+
+``--samples`` takes lm-eval's JSON of document ids per task, and also inclusive ranges written as
+strings, alone or in a list: ``'{"rfa_rotten_tomatoes":"400-799","rfa_bbc_topic":["0-49",60]}'``
+(the command expands them before lm-eval reads the value: :mod:`hf_rfa.integrations.lm_eval_samples`).
 An exported folder (:func:`hf_rfa.export`) needs no hf_rfa at all:
 ``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True``.
 """
@@ -26,6 +30,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.models.huggingface import HFLM
 
 from ..config import CONFIG_ATTR, RFAConfig
+from .lm_eval_samples import expand_samples
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +149,18 @@ def with_offline_tasks(argv: list[str]) -> list[str]:
     return argv
 
 
+def with_expanded_samples(argv: list[str]) -> list[str]:
+    """``argv`` with the ``--samples`` ranges (:func:`expand_samples`) written out for lm-eval."""
+    argv = list(argv)
+    for flag in ("--samples", "-E"):
+        found = _flag_value(argv, flag)
+        if found is not None:
+            i, value = found
+            expanded = expand_samples(value)
+            argv[i] = expanded if argv[i] == value else f"{flag}={expanded}"
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     """``hf-rfa-lm-eval``: lm-eval's command line with ``--model hf_rfa`` and the offline tasks.
 
@@ -156,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
-    args = with_offline_tasks([a for a in argv if a != DEBUG_FLAG])
+    try:
+        args = with_offline_tasks(with_expanded_samples([a for a in argv if a != DEBUG_FLAG]))
+    except ValueError as e:
+        if debug:
+            raise
+        return user_error("hf-rfa-lm-eval", e)
     old = sys.argv
     sys.argv = [old[0] if old else "hf-rfa-lm-eval", *args]
     try:

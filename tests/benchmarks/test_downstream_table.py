@@ -175,5 +175,29 @@ def test_a_samples_run_from_the_first_document_is_named_by_samples():
     command must not score the whole task; a run that scored every document needs neither."""
     cfg = {"model": "hf_rfa", "model_args": "pretrained=x", "limit": None}
     cmd = bench._command(cfg, {"t": [0, 1, 2]}, "out", sizes={"t": 10})
-    assert """--samples '{"t":[0,1,2]}'""" in cmd
+    assert """--samples '{"t":"0-2"}'""" in cmd
     assert "--samples" not in bench._command(cfg, {"t": [0, 1, 2]}, "out", sizes={"t": 3})
+
+
+def test_kept_commands_name_their_documents_as_ranges_that_expand_to_what_was_scored():
+    """The kept file's ``--samples`` are the short form, and expanding each gives the documents its
+    run scored: a command copied from docs/lm_eval.md scores the same documents."""
+    import shlex
+
+    from hf_rfa.integrations.lm_eval_samples import expand_samples
+
+    data = json.loads((bench.ROOT / bench.RESULTS_FILE).read_text())
+    seen = 0
+    for label, model in data["models"].items():
+        for cmd in model["commands"]:
+            parts = shlex.split(cmd)
+            if "--samples" not in parts:
+                continue
+            value = parts[parts.index("--samples") + 1]
+            assert len(value) < 200, value
+            tasks = json.loads(expand_samples(value))
+            assert set(tasks) == set(parts[parts.index("--tasks") + 1].split(","))
+            for t, ids in tasks.items():
+                assert ids and set(ids) <= set(data["tasks"][t][label]["doc_ids"]), (label, t)
+            seen += 1
+    assert seen >= 10

@@ -214,3 +214,16 @@ def test_wrapper_adds_the_offline_task_folder_to_include_path():
         assert prep.call_args.kwargs["tasks"] == ["rfa_bbc_topic"]
         assert ours.with_offline_tasks(["--tasks=hf_rfa_offline", "--include_path", "mine"]) == ["--tasks=hf_rfa_offline", "--include_path", "mine:TASKS"]
         assert ours.with_offline_tasks(["--tasks", "rfa_bbc_topic", "--include_path=mine"]) == ["--tasks", "rfa_bbc_topic", "--include_path=mine:TASKS"]
+
+
+def test_wrapper_expands_sample_ranges_for_lm_eval():
+    assert ours.with_expanded_samples(["--tasks", "t", "--samples", '{"t":"2-4"}']) == ["--tasks", "t", "--samples", '{"t":[2,3,4]}']
+    assert ours.with_expanded_samples(["--samples={\"t\":[\"0-1\",7]}"]) == ['--samples={"t":[0,1,7]}']
+    assert ours.with_expanded_samples(["-E", '{"t":"5"}']) == ["-E", '{"t":[5]}']
+    assert ours.with_expanded_samples(["--limit", "3"]) == ["--limit", "3"]
+
+
+def test_bad_sample_range_is_a_one_line_user_error(capsys):
+    assert ours.main(["--model", "hf", "--tasks", "t", "--samples", '{"t":"9-3"}']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'9-3'" in err and err.startswith("hf-rfa-lm-eval: error:")
