@@ -97,7 +97,8 @@ def collect(specs: list[str], flags: str, out: str, note: str = "", aliases: dic
             raise ValueError(f"{path} ran {result['grid']}, not the grid of the flags {expected}")
         model = _portable(result["model"], aliases)
         result = {**result, "model": model}
-        command = f"hf-rfa-evaluate --model {model} {flags} --output {_portable(os.path.abspath(path), aliases)}"
+        rfa = f" --rfa {_rfa_args(result['rfa'])}" if result.get("rfa") else ""
+        command = f"hf-rfa-evaluate --model {model}{rfa} {flags} --output {_portable(os.path.abspath(path), aliases)}"
         models[label] = {"model": model, "command": command, "minutes": round(result["minutes"], 2), "result": result, "cpu": cpu_name()}
     # each model's torch threads where its result records them (older results do not)
     data = {"cpu": cpu_name(), "threads": {label: m["result"].get("threads") for label, m in models.items()},
@@ -105,6 +106,13 @@ def collect(specs: list[str], flags: str, out: str, note: str = "", aliases: dic
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def _rfa_args(settings: dict) -> str:
+    """``--rfa``'s FIELD=VALUE words of the settings a result was evaluated with (``hf-rfa-evaluate --rfa``)."""
+    def word(v):
+        return "none" if v is None else str(v).lower() if isinstance(v, bool) else ",".join(map(str, v)) if isinstance(v, list) else str(v)
+    return " ".join(f"{k}={word(v)}" for k, v in settings.items())
 
 
 def _kept_model(kept: dict, label: str, path: str, expected: dict) -> dict:

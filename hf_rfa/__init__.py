@@ -42,7 +42,7 @@ def _register_with_transformers() -> None:
 _register_with_transformers()
 
 from .hf.compile import compile_layers  # noqa: E402
-from .hf.convert import convert, find_attention_modules, from_pretrained, redraw, rfa_config_of, set_memory  # noqa: E402
+from .hf.convert import convert, find_attention_modules, from_pretrained, reconfigure, redraw, rfa_config_of, set_memory  # noqa: E402
 # every feature map of a model; not named ``feature_maps``, which is the subpackage hf_rfa.feature_maps
 from .hf.convert import feature_maps as model_feature_maps  # noqa: E402
 
@@ -93,6 +93,7 @@ __all__ = [
     "redraw",
     "register_feature_map",
     "rfa_config_of",
+    "reconfigure",
     "set_memory",
     "softmax_attention",
 ]

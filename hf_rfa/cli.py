@@ -186,10 +186,16 @@ class EvaluateArguments:
     gaps: list[int] = field(default_factory=list, metadata={"help": "grid: copy gaps (not given: the grid's)"})
     output: str | None = field(default=None, metadata={"help": "also write the result to this JSON file (with --grid, its tables to the same name with .md)"})
     seed: int = field(default=0, metadata={"help": "seed of the copy draws, pass keys, filler spans and bootstrap resamples"})
+    rfa: list[str] = field(default_factory=list, metadata={"help": "FIELD=VALUE ...: evaluate a converted model with these settings instead of its saved ones "
+                                                           "(no retraining; only settings without parameters: window, sinks, memory, memory_every, "
+                                                           "memory_score, memory_per_layer, chunk_size, checkpoint_blocks, backend), e.g. --rfa memory=1024"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
 
     def __post_init__(self) -> None:
+        from .hf.convert import parse_runtime_settings
         from .recipes.grid import GRIDS
+
+        self.rfa_settings = parse_runtime_settings(self.rfa)
         from .recipes.long_range import PASSKEY_FILLERS
 
         if self.task not in EVALUATE_TASKS:
@@ -235,27 +241,35 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     model, tok, kind = load_model(a.model)
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {'the grid' if grid else a.task} is undefined")
+    if a.rfa_settings:
+        from .hf.convert import reconfigure
+
+        try:
+            reconfigure(model, **a.rfa_settings)
+        except ValueError as e:
+            p.error(f"--rfa: {e}")
     _check_positions(p, a, model, grid)
+    settings = {"rfa": a.rfa_settings} if a.rfa_settings else {}
     if grid is not None:
         from .recipes.grid import grid_markdown, run_grid
 
-        out = {"task": "grid", "name": a.grid, "model": a.model, **run_grid(model, tok, grid, seed=a.seed, progress=a.progress)}
+        out = {"task": "grid", "name": a.grid, "model": a.model, **settings, **run_grid(model, tok, grid, seed=a.seed, progress=a.progress)}
         _write_output(a.output, out, grid_markdown(out, f"Evaluation grid '{a.grid}' of {a.model}"))
     elif a.task == "passkey":
         runs = {}
         for kind in a.fillers:
             filler = long_range.natural_filler(tok, evaluation.load_text(a.filler_text), a.filler_text) if kind == "natural" else None
             runs[kind] = long_range.passkey_task(model, tok, a.lengths, a.depths, a.trials, a.seed, progress=a.progress, filler=filler)
-        out = {"task": a.task, **runs[a.fillers[0]]} if len(runs) == 1 else {"task": a.task, "by_filler": runs}
+        out = {"task": a.task, **settings, **runs[a.fillers[0]]} if len(runs) == 1 else {"task": a.task, **settings, "by_filler": runs}
         _write_output(a.output, out)
     else:
         ids = evaluation.tokenize(tok, evaluation.load_text(a.text))
         if a.task == "copy":
             r = long_range.copy_task(model, ids, a.gap, a.passage, a.draws, seed=a.seed, progress=a.progress)
-            out = {"task": a.task, **r}
+            out = {"task": a.task, **settings, **r}
         else:
             r = evaluation.perplexity(model, ids, a.context, a.max_tokens, progress=a.progress, seed=a.seed)
-            out = {"task": a.task, **{k: r[k] for k in ("perplexity", "ci95", "tokens", "windows", "context", "window_nll", "window_tokens")}}
+            out = {"task": a.task, **settings, **{k: r[k] for k in ("perplexity", "ci95", "tokens", "windows", "context", "window_nll", "window_tokens")}}
         _write_output(a.output, out)
     print(json.dumps(out))
     return out

@@ -125,10 +125,13 @@ def test_collect_keeps_portable_commands_that_reproduce_the_settings(tmp_path):
     for label, m in data["models"].items():
         path = tmp_path / "runs" / f"{label.split()[0]}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({**m["result"], "model": str(tmp_path / "checkout" / "out" / label.split()[0])}))
+        rfa = {"rfa": {"window": 1088, "memory_per_layer": [3, 5], "checkpoint_blocks": False}} if label.startswith("window") else {}
+        path.write_text(json.dumps({**m["result"], **rfa, "model": str(tmp_path / "checkout" / "out" / label.split()[0])}))
         specs.append(f"{label}={path}")
     kept = bench.collect(specs, flags, str(tmp_path / "kept.json"), aliases={str(tmp_path / "checkout" / "out"): "out", str(tmp_path): "here"})
     assert kept["models"]["recipe"]["command"] == f"hf-rfa-evaluate --model out/recipe {flags} --output here/runs/recipe.json"
+    (window,) = [m["command"] for label, m in kept["models"].items() if label.startswith("window")]
+    assert window.startswith("hf-rfa-evaluate --model out/window-only --rfa window=1088 memory_per_layer=3,5 checkpoint_blocks=false --grid full")
     assert kept["models"]["recipe"]["result"]["model"] == "out/recipe" and str(tmp_path) not in (tmp_path / "kept.json").read_text()
     with pytest.raises(ValueError, match="not the grid of the flags"):
         bench.collect(specs, flags.replace("--draws 4", "--draws 8"), str(tmp_path / "other.json"))

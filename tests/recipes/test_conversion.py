@@ -554,3 +554,29 @@ def test_failed_push_exits_1_and_keeps_the_folder(tiny_dir, tmp_path, monkeypatc
     assert "hf upload me/tiny-rfa" in capsys.readouterr().out
     assert (out / "model.safetensors").is_file() and (out / "report.json").is_file()
     assert cli.convert_command(_args(tiny_dir, "llama", tmp_path / "out2", "--generate-tokens", "0")) == 0  # no push asked: 0
+
+
+def test_evaluate_rfa_settings_equal_a_model_converted_with_them(tiny_dir, tmp_path, capsys):
+    """``hf-rfa-evaluate --rfa window=8 memory=3``: the saved model evaluated with other settings that
+    involve no parameters gives the perplexity of the same model converted with them, and the result
+    records them; an unconverted model and a parameter-shaping field are one-line usage errors."""
+    from hf_rfa import cli
+
+    base = dict(feature_map="favor+", num_features=16, window=4, sinks=1, memory=0, chunk_size=8)
+    for name, cfg in (("saved", base), ("want", {**base, "window": 8, "memory": 3, "memory_every": 4})):
+        m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**cfg))
+        m.save_pretrained(tmp_path / name)
+        _tokenizer().save_pretrained(tmp_path / name)
+    common = ["--text", tiny_dir["eval"], "--context", "64", "--max-tokens", "256", "--no-progress"]
+    got = cli.evaluate_main(["--model", str(tmp_path / "saved"), "--rfa", "window=8", "memory=3", "memory_every=4", *common])
+    want = cli.evaluate_main(["--model", str(tmp_path / "want"), *common])
+    plain = cli.evaluate_main(["--model", str(tmp_path / "saved"), *common])
+    assert got["perplexity"] == want["perplexity"] != plain["perplexity"]
+    assert got["rfa"] == {"window": 8, "memory": 3, "memory_every": 4} and "rfa" not in plain
+    capsys.readouterr()
+    for model, rfa, msg in ((tiny_dir["llama"], "window=8", "is not converted"), (str(tmp_path / "saved"), "num_features=8", "FIELD one of")):
+        with pytest.raises(SystemExit) as e:
+            cli.evaluate_main(["--model", model, "--rfa", rfa, *common])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert msg in err and "Traceback" not in err
