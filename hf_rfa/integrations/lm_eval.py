@@ -11,7 +11,8 @@ on the include path, then runs lm-eval's own command line::
 ``--model hf_rfa`` (:class:`RFALM`, a subclass of lm-eval's ``HFLM``) loads a folder saved from a
 converted model through :func:`hf_rfa.from_pretrained` (an unconverted folder is refused unless
 ``rfa_<field>=...`` model arguments ask to convert it on load, e.g. the window-only baseline
-``rfa_feature_map=none,rfa_window=64,rfa_sinks=4``) and generates with :class:`hf_rfa.RFACache`.
+``rfa_feature_map=none,rfa_window=64,rfa_sinks=4``; on a converted folder they change the settings
+without parameters, e.g. ``rfa_memory=1024``) and generates with :class:`hf_rfa.RFACache`.
 
 ``--samples`` takes lm-eval's JSON of document ids per task, and also inclusive ranges written as
 strings, alone or in a list: ``'{"rfa_rotten_tomatoes":"400-799","rfa_bbc_topic":["0-49",60]}'``
@@ -50,7 +51,9 @@ class RFALM(HFLM):
 
     Model arguments are ``HFLM``'s (``pretrained``, ``dtype``, ``batch_size``, ``max_length``, ...)
     plus optional ``rfa_<field>=value`` (an :class:`~hf_rfa.RFAConfig` field) to convert a folder
-    that was not converted. ``pretrained`` may also be a converted model object.
+    that was not converted, or, on a converted folder, to change its settings that involve no
+    parameters (:func:`hf_rfa.reconfigure`, e.g. ``rfa_memory=1024``). ``pretrained`` may also be a
+    converted model object.
     """
 
     def __init__(self, pretrained: Any, **kwargs: Any) -> None:
@@ -65,7 +68,7 @@ class RFALM(HFLM):
         import transformers
         from lm_eval.models.utils_hf import get_dtype
 
-        from .. import convert, from_pretrained
+        from .. import convert, from_pretrained, reconfigure
 
         for unsupported in ("peft", "delta", "autogptq", "gptqmodel", "gguf_file", "tp_plan"):
             if kwargs.get(unsupported):
@@ -75,9 +78,10 @@ class RFALM(HFLM):
             load["revision"] = revision
         config = transformers.AutoConfig.from_pretrained(pretrained, **({"revision": revision} if "revision" in load else {}))
         if getattr(config, CONFIG_ATTR, None):
-            if self._rfa_fields:
-                raise ValueError(f"{pretrained} is already converted; drop the rfa_* model arguments {sorted(self._rfa_fields)}")
             self._model = from_pretrained(pretrained, **load)
+            if self._rfa_fields:  # a converted folder: only the settings without parameters can change
+                reconfigure(self._model, **self._rfa_fields)
+                logger.info("%s evaluated with %s", pretrained, self._rfa_fields)
         elif self._rfa_fields:
             model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, **load)
             self._model = convert(model, RFAConfig.from_dict(self._rfa_fields))

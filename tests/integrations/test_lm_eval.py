@@ -192,6 +192,23 @@ def test_unconverted_folder_refused_or_converted_on_load(tmp_path):
     assert isinstance(tf.AutoConfig.from_pretrained(plain), tf.LlamaConfig)
 
 
+def test_converted_folder_takes_settings_without_parameters(tmp_path):
+    """``rfa_memory=3,rfa_window=8`` on a converted folder: the model equals one converted with
+    them; a field that shapes parameters is refused naming the ones that can change."""
+    from tiny_models import tiny_model
+
+    base = dict(feature_map="favor+", num_features=16, window=4, sinks=1)
+    hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**base)).save_pretrained(tmp_path / "saved")
+    fx.char_tokenizer().save_pretrained(tmp_path / "saved")
+    lm = ours.RFALM(pretrained=str(tmp_path / "saved"), device="cpu", dtype="float32", rfa_window=8, rfa_memory=3)
+    want = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**{**base, "window": 8, "memory": 3}))
+    ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, want(ids).logits)
+    with pytest.raises(ValueError, match="cannot change"):
+        ours.RFALM(pretrained=str(tmp_path / "saved"), device="cpu", rfa_num_features=8)
+
+
 def test_command_line_runs_offline_task(folders, tmp_path):
     """The documented command: ``python -m hf_rfa.integrations.lm_eval`` with --model hf_rfa."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(Path(hf_rfa.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
