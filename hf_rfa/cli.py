@@ -186,7 +186,7 @@ class EvaluateArguments:
     gaps: list[int] = field(default_factory=list, metadata={"help": "grid: copy gaps (not given: the grid's)"})
     output: str | None = field(default=None, metadata={"help": "also write the result to this JSON file (with --grid, its tables to the same name with .md)"})
     seed: int = field(default=0, metadata={"help": "seed of the copy draws, pass keys, filler spans and bootstrap resamples"})
-    rfa: list[str] = field(default_factory=list, metadata={"help": "FIELD=VALUE ...: evaluate a converted model with other settings without parameters "
+    rfa: list[str] = field(default_factory=list, metadata={"metavar": "FIELD=VALUE", "help": "evaluate a converted model with other settings without parameters "
                                                            "(hf_rfa.reconfigure: window, sinks, memory*, chunk_size, backend, ...), e.g. --rfa memory=1024"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
 
