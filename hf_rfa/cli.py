@@ -306,7 +306,7 @@ def _write_output(path: str | None, out: dict, markdown: str | None = None) -> N
 
 def _check_positions(p, a: EvaluateArguments, model, grid=None) -> None:
     """A model with learned positions cannot read past them: refuse before any window is evaluated."""
-    from .recipes.conversion.checks import learned_positions
+    from .recipes.conversion.checks import learned_positions, memory_beyond_positions
 
     limit = learned_positions(model)
     if grid is not None:
@@ -315,6 +315,8 @@ def _check_positions(p, a: EvaluateArguments, model, grid=None) -> None:
         longest = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths))}[a.task]
     if limit is not None and longest[1] > limit:
         p.error(f"{longest[0]}: {a.grid or a.task} needs {longest[1]} tokens but {a.model} has {limit} learned positions")
+    if warning := memory_beyond_positions(model, longest[1]):
+        logging.getLogger("hf_rfa.cli").warning("%s: %s", longest[0], warning)
 
 
 # --------------------------------------------------------------------------- training

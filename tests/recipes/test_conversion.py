@@ -580,3 +580,24 @@ def test_evaluate_rfa_settings_equal_a_model_converted_with_them(tiny_dir, tmp_p
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert msg in err and "Traceback" not in err
+
+
+def test_evaluate_warns_when_the_memory_reads_past_the_rotary_positions(tiny_dir, tmp_path, caplog):
+    """A converted rotary model with an exact memory read past ``max_position_embeddings`` (512 for the
+    tiny Llama) logs one warning naming the limit and the way out; within it, or without a memory, none."""
+    import logging
+
+    from hf_rfa import cli
+
+    m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1, memory=3, memory_every=4))
+    m.save_pretrained(tmp_path / "m")
+    _tokenizer().save_pretrained(tmp_path / "m")
+    common = ["--model", str(tmp_path / "m"), "--text", tiny_dir["eval"], "--max-tokens", "1023", "--no-progress"]
+    for extra, warned in ((["--context", "1024"], True), (["--context", "512"], False), (["--context", "1024", "--rfa", "memory=0"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_rfa.cli"):
+            cli.evaluate_main(common + extra)
+        hits = [r.getMessage() for r in caplog.records if "max_position_embeddings (512)" in r.getMessage()]
+        assert len(hits) == int(warned), (extra, hits)
+        if warned:
+            assert hits[0].startswith("--context: 1024 tokens with an exact memory") and "--rfa memory=0" in hits[0]
