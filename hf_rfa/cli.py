@@ -309,10 +309,8 @@ def _check_positions(p, a: EvaluateArguments, model, grid=None) -> None:
     from .recipes.conversion.checks import learned_positions, memory_beyond_positions
 
     limit = learned_positions(model)
-    if grid is not None:
-        longest = ("--grid", grid.longest)
-    else:
-        longest = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths))}[a.task]
+    tasks = {"perplexity": ("--context", a.context), "copy": ("--gap", a.gap + 2 * a.passage), "passkey": ("--lengths", max(a.lengths, default=0))}
+    longest = ("--grid", grid.longest) if grid is not None else tasks[a.task]
     if limit is not None and longest[1] > limit:
         p.error(f"{longest[0]}: {a.grid or a.task} needs {longest[1]} tokens but {a.model} has {limit} learned positions")
     if warning := memory_beyond_positions(model, longest[1]):
