@@ -24,6 +24,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "seed": (-(2**63), 2**63 - 1),
     "memory": (0, MAX_MEMORY),
     "memory_every": (1, MAX_CHUNK),
+    "memory_distance": (0, 2**31 - 1),
 }
 #: largest ``decay`` half-life (tokens)
 MAX_DECAY = 1e9
@@ -79,6 +80,11 @@ class RFAConfig:
         metadata={"help": f"one of {list(MEMORY_SCORES)} (used with memory > 0): how the exact memory ranks the keys older than the window — 'value_norm' the largest ||v||, 'feature_error' the keys whose value the feature state recalls worst (LoLA-style; needs a feature map other than 'none'), 'query_mass' the keys the queries of their exact window attended to most (selection by the query side; needs window > 0)"},
     )
 
+    memory_distance: int = field(
+        default=0,
+        metadata={"help": "rotary models, feature_input='unrotated': a memory key more than this many positions behind its query is scored as if it were that far (its rotary distance clamped, e.g. to the model's max_position_embeddings, so reading past the trained context never meets an unseen distance); 0: true distances"},
+    )
+
     def __post_init__(self) -> None:
         names = available_feature_maps()
         if self.feature_map not in names:
@@ -108,6 +114,8 @@ class RFAConfig:
             self.memory_per_layer = list(per)
         if self.memory_score not in MEMORY_SCORES:
             raise ValueError(f"memory_score must be one of {list(MEMORY_SCORES)}, got {self.memory_score!r}")
+        if self.memory_distance > 0 and self.feature_input != "unrotated":
+            raise ValueError(f"memory_distance={self.memory_distance} re-reads memory keys un-rotated: it needs feature_input='unrotated', got {self.feature_input!r}")
         if self.memory_score == "query_mass" and self.window == 0 and self.any_memory:
             raise ValueError("memory_score='query_mass' ranks keys by the attention their exact window gives them; it needs window > 0")
         if self.memory_score == "feature_error" and self.feature_map == "none":

@@ -60,6 +60,8 @@ class RFAAttention(nn.Module):
         self.feature_map = feature_map
         self.spec = spec if spec is not None else AttentionSpec(**settings)
         self.layer_idx = int(layer_idx)
+        #: ``(cos, sin)`` ``[Dr]`` of position ``memory_distance`` from the model's rotary embedding (set by ``hf_rfa.convert`` / ``reconfigure``), or None
+        self.memory_rope = None
 
     window = _spec_field("window")
     sinks = _spec_field("sinks")
@@ -70,6 +72,7 @@ class RFAAttention(nn.Module):
     memory_every = _spec_field("memory_every")
     memory_score = _spec_field("memory_score")
     feature_input = _spec_field("feature_input")
+    memory_distance = _spec_field("memory_distance")
 
     def forward(
         self,
@@ -101,10 +104,11 @@ class RFAAttention(nn.Module):
         if cache is not None:
             return cache.attend(self, query, key, value, attention_mask, causal, scale)
         spec = self.spec if backend == self.spec.backend else self.spec.replace(backend=backend)
-        return attend(query, key, value, self.feature_map, spec, causal=causal, attention_mask=attention_mask, scale=scale, feature_rope=rope)
+        return attend(query, key, value, self.feature_map, spec, causal=causal, attention_mask=attention_mask, scale=scale, feature_rope=rope, memory_rope=self.memory_rope)
 
     def extra_repr(self) -> str:
         mem = f", memory={self.memory}, memory_every={self.memory_every}, memory_score={self.memory_score}" if self.memory else ""
+        mem += f", memory_distance={self.memory_distance}" if self.memory and self.memory_distance else ""
         fin = ", feature_input=unrotated" if self.feature_input == "unrotated" else ""
         return f"layer_idx={self.layer_idx}, window={self.window}, sinks={self.sinks}, chunk_size={self.chunk_size}, backend={self.backend}{mem}{fin}"
 

@@ -243,6 +243,7 @@ class RFACacheLayer(CacheLayerMixin):
             settings = MemoryCall(
                 window=rfa.window, sinks=rfa.sinks, memory=memory, memory_every=rfa.memory_every, scale=scale,
                 chunk_size=rfa.chunk_size, memory_score=getattr(rfa, "memory_score", "value_norm"),
+                distance=getattr(rfa, "memory_distance", 0), far_rope=getattr(rfa, "memory_rope", None),
             )
             out, self.state = continue_memory_attention(self.state, query, key, value, fm, attention_mask, settings, (feature_q, feature_k))
             self._pending = False

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import compat
 from .attention import ATTN_NAME, RFAAttention, register
-from .rope import install_rope_hook, takes_position_embeddings
+from .rope import install_rope_hook, rotation_at, takes_position_embeddings
 from .checkpoint import _resolve_dir, check_loaded_rfa, checkpoint_files, load_rfa_state, report_unexpected_rfa_keys, verify_safetensors  # noqa: F401 (re-exported)
 from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
@@ -225,6 +225,7 @@ def convert(model: nn.Module, config: RFAConfig | None = None, **overrides: Any)
             install_rope_hook(module)
         converted += 1
     setattr(model.config, CONFIG_ATTR, config.to_dict())
+    _attach_memory_rope(model, config)
     model.set_attn_implementation(ATTN_NAME)
     logger.info("converted %d of %d attention layers of %s to %s", converted, len(modules), type(model).__name__, config.feature_map)
     return model
@@ -239,7 +240,15 @@ def _check_memory_per_layer(config: RFAConfig, converted: list[int]) -> None:
 
 #: ``RFAConfig`` fields that set how a converted layer attends without touching its parameters:
 #: :func:`reconfigure` changes them on a trained model (the feature maps, decay and weights stay)
-RUNTIME_FIELDS = ("window", "sinks", "memory", "memory_every", "memory_score", "memory_per_layer", "chunk_size", "checkpoint_blocks", "backend")
+RUNTIME_FIELDS = ("window", "sinks", "memory", "memory_every", "memory_score", "memory_per_layer", "memory_distance", "chunk_size", "checkpoint_blocks", "backend")
+
+
+def _attach_memory_rope(model: nn.Module, config: RFAConfig) -> None:
+    """Give every converted layer the rotation of position ``config.memory_distance`` (None when 0)."""
+    rope = rotation_at(model, config.memory_distance) if config.memory_distance > 0 else None
+    for module in model.modules():
+        if isinstance(module, RFAAttention):
+            module.memory_rope = rope
 
 
 def reconfigure(model: nn.Module, **changes: Any) -> nn.Module:
@@ -276,6 +285,7 @@ def reconfigure(model: nn.Module, **changes: Any) -> nn.Module:
             new = AttentionSpec.from_config(config, module.layer_idx)
             module.spec = module.spec.replace(**{f: getattr(new, f) for f in touched})
     setattr(model.config, CONFIG_ATTR, config.to_dict())
+    _attach_memory_rope(model, config)
     logger.debug("%s reconfigured: %s", type(model).__name__, {k: getattr(config, k) for k in changes})
     return model
 

@@ -50,6 +50,25 @@ def install_rope_hook(module: nn.Module) -> None:
     setattr(module, ROPE_ATTR, None)
 
 
+def rotation_at(model: nn.Module, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[Dr]`` (float32) of ``position`` from ``model``'s rotary embedding module (a
+    module whose class name ends in ``RotaryEmbedding``, called as ``forward(x, position_ids)``).
+    ValueError when the model has none, or several that disagree at ``position``."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            ref = next(iter(module.buffers()), None)
+            x = torch.zeros(1, dtype=torch.float32, device=ref.device if ref is not None else "cpu")
+            with torch.no_grad():
+                cos, sin = module(x, torch.tensor([[int(position)]], device=x.device))
+            found.append((name, cos.reshape(-1, cos.shape[-1])[0].float(), sin.reshape(-1, sin.shape[-1])[0].float()))
+    if not found:
+        raise ValueError(f"memory_distance={position}: {type(model).__name__} has no rotary embedding module (*RotaryEmbedding) to rotate by")
+    if any(c.shape != found[0][1].shape or not (torch.equal(c, found[0][1]) and torch.equal(s, found[0][2])) for _, c, s in found[1:]):
+        raise ValueError(f"memory_distance={position}: {type(model).__name__}'s rotary embeddings {[n for n, _, _ in found]} differ at that position; one is supported")
+    return found[0][1], found[0][2]
+
+
 def checked_rope(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``pe = (cos, sin)`` of this forward (the module's :data:`ROPE_ATTR`), checked against the
     attention call's query/key ``[B, H, N, D]``.
@@ -80,4 +99,4 @@ def unrotated_qk(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tens
     return unrotate(query, cos, sin), unrotate(key, cos, sin)
 
 
-__all__ = ["ROPE_ATTR", "checked_rope", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]
+__all__ = ["ROPE_ATTR", "checked_rope", "rotation_at", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]

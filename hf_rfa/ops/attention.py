@@ -9,6 +9,7 @@ has q's dtype.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,12 +17,13 @@ import torch
 from .backends import gpu, honoured, native, resolve
 from .band.exact import exact_local, exact_local_last
 from .band.plan import Band
-from .feature.bidirectional import bidirectional_feature_attention
+from .feature.bidirectional import bidirectional_feature_attention, whole_features
 from .feature.fused import ScanRun, causal_feature_attention, fold_keys
 from .feature.linear import bidirectional_window_parts, shift_keys
 from .hybrid.function import HybridArgs, hybrid_attention
 from .masks import NEG, check_feature_inputs, check_feature_map, check_scale, exp_floor, guard_feature_inputs, guard_inputs, key_mask_bool, needs_grad, no_autocast, saturate_grad, sink_mask, sink_positions, to_output_dtype, validate_qkv
 from .memory import memory_attention
+from .memory.state import check_far
 from .partial import Partial, finalize, last_rows, merge
 from .recurrent import LinearState
 from .rotary import check_rope, unrotate
@@ -52,6 +54,8 @@ def random_feature_attention(
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
     feature_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    memory_distance: int = 0,
+    memory_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Linear-time attention with a feature map, optionally hybrid with exact local attention.
 
@@ -95,6 +99,7 @@ def random_feature_attention(
             ``feature_q = unrotate(q, cos, sin)`` and likewise for k — not with feature_q/feature_k. Same result as passing those; in training with
             ``checkpoint_blocks`` a causal hybrid un-rotates block by block in forward and
             backward and keeps nothing un-rotated (the memory of two more q/k per layer).
+        memory_distance, memory_rope: (memory, un-rotated feature inputs) a memory key more than Δ = ``memory_distance`` positions back scores as if Δ back (``memory_rope``: ``(cos, sin)`` ``[Dr]`` of position Δ). 0: off.
 
     The keywords from ``window`` to ``memory_score`` are one :class:`~hf_rfa.ops.spec.AttentionSpec`,
     built and validated here (:func:`attend` takes one built once). Exact and feature weights share one normaliser. Gated maps (RFA ``gate=True``) decay the
@@ -108,8 +113,8 @@ def random_feature_attention(
     validate_qkv(q, k, v, causal)  # the tensors first, then the settings
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    spec = AttentionSpec(window=window, sinks=sinks, chunk_size=chunk_size, checkpoint_blocks=checkpoint_blocks, backend=backend, memory=memory, memory_every=memory_every, memory_score=memory_score)
-    return attend(q, k, v, feature_map, spec, causal=causal, attention_mask=attention_mask, scale=scale, feature_q=feature_q, feature_k=feature_k, feature_rope=feature_rope)
+    spec = AttentionSpec(window=window, sinks=sinks, chunk_size=chunk_size, checkpoint_blocks=checkpoint_blocks, backend=backend, memory=memory, memory_every=memory_every, memory_score=memory_score, memory_distance=memory_distance)
+    return attend(q, k, v, feature_map, spec, causal=causal, attention_mask=attention_mask, scale=scale, feature_q=feature_q, feature_k=feature_k, feature_rope=feature_rope, memory_rope=memory_rope)
 
 
 @no_autocast
@@ -126,6 +131,7 @@ def attend(
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
     feature_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    memory_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`random_feature_attention` with the layer's settings as one validated
     :class:`~hf_rfa.ops.spec.AttentionSpec` (``spec.feature_input`` is the caller's: it passes
@@ -144,6 +150,9 @@ def attend(
     # float16 gradients: a true gradient beyond 65504 (an ill-conditioned normaliser) saturates, not inf
     q, k, v, feature_q, feature_k = (saturate_grad(t) for t in (q, k, v, feature_q, feature_k))
     call = _plan(spec, q, k, v, feature_map, causal, d**-0.5 if scale is None else scale, (feature_q, feature_k) if feature_q is not None else ())
+    if spec.memory > 0 and spec.memory_distance > 0:
+        check_far(spec.memory_distance, memory_rope, d, feature_q is not None)
+        call = replace(call, memory_rope=memory_rope)
     if b == 0 or nq == 0 or nk == 0 or v.shape[-1] == 0:  # nothing to attend: no kernel call
         return q.new_zeros(b, h, nq, v.shape[-1]) + q.flatten()[:0].sum()  # (still in the graph)
     q, k, v, poison = guard_inputs(q, k, v, km, causal)
@@ -258,7 +267,7 @@ def _blockwise(q, k, v, feature_map, km, call: CallPlan, inputs: tuple, nq: int)
         feat_mask = (km if km is not None else torch.ones_like(sm)) & ~sm
     whole = None  # bidirectional autograd forms: whole-sequence features, before the exact part (the graph's order)
     if not fused and window < n:
-        whole = _whole_features(feature_map, xq_f, xk_f, feat_mask)
+        whole = whole_features(feature_map, xq_f, xk_f, feat_mask)
     lq_add = lk_add = None
     if causal and feature_map.has_gate:
         lk_add, lq_add = _gate_terms(feature_map, xk_f, km)
@@ -324,24 +333,6 @@ def _causal_feature_part(feature_map, inputs: tuple, feat_mask, gates: tuple, ca
         qs, ks, vs, kmask, lqs, lka = cut(fq_in), cut(ks), cut(vs), cut(kmask, 1), cut(lq_add, -1), cut(lka, -1)
     run = ScanRun(call.spec.chunk_size, x_scale=root, checkpoint=call.spec.checkpoint_blocks, backend=call.backend)
     return causal_feature_attention(feature_map, qs, ks, vs, (kmask, lqs, lka), run, state=state, out=out)[0]
-
-
-def _whole_features(feature_map, xq_f, xk_f, feat_mask) -> tuple:
-    """Whole-sequence features of a bidirectional call (no gate: it is causal only) for the autograd
-    forms: ``(qf [B,Hkv,G,N,F], lq [B,Hkv,G,N] | None, kf [B,Hkv,N,F], lk [B,Hkv,N] | None)``, the
-    keys outside ``feat_mask`` (padding, sinks) dropped."""
-    b, hkv, n = xk_f.shape[0], xk_f.shape[1], xk_f.shape[2]
-    g = xq_f.shape[1] // hkv
-    fq = feature_map.forward_queries(xq_f)
-    fk = feature_map.forward_keys(xk_f)
-    qf = fq.phi.reshape(b, hkv, g, n, -1)
-    lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
-    kf, lk = fk.phi, fk.log_scale
-    if feat_mask is not None:
-        kf = kf * feat_mask[:, None, :, None]
-        if lk is not None:
-            lk = torch.where(feat_mask[:, None, :], lk, torch.full_like(lk, NEG))
-    return qf, lq, kf, lk
 
 
 def _hybrid_function_applies(q, k, v, feature_map, call: CallPlan, feature_q=None, feature_k=None) -> bool:

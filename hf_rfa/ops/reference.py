@@ -86,6 +86,8 @@ def quadratic_kernel_attention(
     feature_q: torch.Tensor | None = None,
     feature_k: torch.Tensor | None = None,
     memory_score: str = "value_norm",
+    memory_distance: int = 0,
+    memory_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The quadratic twin of :func:`hf_rfa.random_feature_attention`.
 
@@ -95,10 +97,8 @@ def quadratic_kernel_attention(
     (floored at ``feature_map.eps`` relative to the row's log-offset). Returns ``[B, H, Nq, Dv]``.
 
     ``memory > 0`` (causal only): the keys of :func:`memory_membership` are exact too (and so not
-    in the feature part); ``memory_score="feature_error"`` ranks them by
-    :func:`feature_error_scores`.
-
-    ``feature_q``/``feature_k`` (shapes of q/k, or None): what φ reads instead of q and k.
+    in the feature part); ``memory_score`` ranks them (:func:`feature_error_scores`, ...). ``feature_q``/``feature_k``: what φ reads instead of q and k.
+    ``memory_distance`` Δ > 0, ``memory_rope`` (cos, sin) of Δ: memory key s with t − s > Δ scores ``feature_q_t · R(−Δ) feature_k_s`` (:func:`_turned_back`; the op turns the query instead).
     """
     b, h, nq, d, hkv, nk = validate_qkv(q, k, v, causal)
     feature_q, feature_k = check_feature_inputs(q, k, feature_q, feature_k)
@@ -130,18 +130,16 @@ def quadratic_kernel_attention(
         visible = visible & km.view(b, 1, 1, nk)
     if sinks > 0:
         exact = exact | sink_mask(km, b, nk, sinks, q.device).view(b, 1, 1, nk)
+    member = None
     if memory > 0:
-        if not causal:
-            raise ValueError("memory > 0 needs causal attention (the exact memory is chosen over the past)")
-        scores_m = None
-        if memory_score == "feature_error":
-            scores_m = feature_error_scores(ks_f, v, feature_map, attention_mask, window, sinks, memory, memory_every)
-        elif memory_score == "query_mass":
-            scores_m = query_mass_scores(qs, ks, attention_mask, window, sinks)
-        exact = exact | _expand_kv(memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq, scores_m), g)
+        member = _expand_kv(_membership(qs, ks, ks_f, v, feature_map, attention_mask, (causal, window, sinks, memory, memory_every, memory_score), nq), g)
+        exact = exact | member
     exact = exact & visible
     feat = visible & ~exact & (not null)
     scores = (qs @ _expand_kv(ks, g).transpose(-1, -2))
+    if member is not None and memory_distance > 0:  # memory keys beyond Δ: the key turned back by Δ
+        far = exact & member & (t - s > memory_distance).view(1, 1, nq, nk)
+        scores = torch.where(far, qs_f @ _expand_kv(_turned_back(ks_f, *(x.to(ct) for x in memory_rope)), g).transpose(-1, -2), scores)
     log_w = torch.where(exact, scores, torch.where(feat, logmag, torch.full_like(scores, NEG)))
     if nk == 0:  # no keys: every row is zero (as the op gives)
         return q.new_zeros(b, h, nq, v.shape[-1])
@@ -151,6 +149,30 @@ def quadratic_kernel_attention(
     w = w_exact + w_feat
     den = w.sum(-1, keepdim=True).clamp_min(feature_map.eps)
     return ((w @ _expand_kv(v.to(ct), g)) / den).to(q.dtype)
+
+
+def _membership(qs, ks, ks_f, v, feature_map, attention_mask, settings: tuple, nq: int) -> torch.Tensor:
+    """:func:`memory_membership` ``[B, Hkv, Nq, Nk]`` under its score; ``settings = (causal, window,
+    sinks, memory, memory_every, memory_score)``."""
+    causal, window, sinks, memory, memory_every, memory_score = settings
+    if not causal:
+        raise ValueError("memory > 0 needs causal attention (the exact memory is chosen over the past)")
+    scores_m = None
+    if memory_score == "feature_error":
+        scores_m = feature_error_scores(ks_f, v, feature_map, attention_mask, window, sinks, memory, memory_every)
+    elif memory_score == "query_mass":
+        scores_m = query_mass_scores(qs, ks, attention_mask, window, sinks)
+    return memory_membership(v, attention_mask, window, sinks, memory, memory_every, nq, scores_m)
+
+
+def _turned_back(ks: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Keys ``[..., D]`` rotated back by the angle of ``(cos, sin)`` ``[Dr]`` (``R(−Δ)``, the first Dr
+    dims in halves), times the rotation's squared scale (``cos² + sin²``: the product of two
+    rotated vectors carries it; here one factor comes with the rotation, one is multiplied in)."""
+    dr = cos.shape[-1]
+    kr = ks[..., :dr]
+    back = (kr * cos - torch.cat([-kr[..., dr // 2 :], kr[..., : dr // 2]], dim=-1) * sin) * (cos * cos + sin * sin).sqrt()
+    return torch.cat([back, ks[..., dr:]], dim=-1)
 
 
 def _gate_log_decay(feature_map: FeatureMap, ks_f: torch.Tensor, attention_mask: torch.Tensor | None, nq: int, g: int) -> torch.Tensor:

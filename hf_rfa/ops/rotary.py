@@ -50,6 +50,19 @@ def unrotate_adjoint(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out if dr == g.shape[-1] else torch.cat([out, g[..., dr:]], dim=-1)
 
 
+def far_queries(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Un-rotated queries x ``[..., D]`` (float) turned so that their product with an *un-rotated* key
+    scores as a rotated query with a rotated key at distance Δ: ``rope = (cos, sin)`` ``[Dr]`` of
+    position Δ. For a rotation with a scale a (``cos² + sin² = a²``, e.g. YaRN's attention
+    factor) the product of two rotated vectors carries a²: ``R_Δ(x)·a``. The exact memory reads its
+    keys beyond ``memory_distance`` so (:mod:`hf_rfa.ops.memory`)."""
+    cos, sin = (t.to(device=x.device, dtype=x.dtype) for t in rope)
+    dr = cos.shape[-1]
+    xr = x[..., :dr]
+    out = (xr * cos + rotate_half(xr) * sin) * (cos * cos + sin * sin).sqrt()
+    return out if dr == x.shape[-1] else torch.cat([out, x[..., dr:]], dim=-1)
+
+
 def check_rope(rope, q: torch.Tensor, k: torch.Tensor, name: str = "feature_rope") -> tuple[torch.Tensor, torch.Tensor]:
     """``rope = (cos, sin)``, each ``[B or 1, N, Dr]`` with N = q's and k's length and Dr ≤ D even;
     ValueError naming ``name`` otherwise."""
@@ -70,4 +83,4 @@ def check_rope(rope, q: torch.Tensor, k: torch.Tensor, name: str = "feature_rope
     return cos, sin
 
 
-__all__ = ["check_rope", "rotate_half", "unrotate", "unrotate_adjoint"]
+__all__ = ["check_rope", "far_queries", "rotate_half", "unrotate", "unrotate_adjoint"]

@@ -36,6 +36,7 @@ class AttentionSpec:
     memory_every: int = 64
     memory_score: str = "value_norm"
     feature_input: str = "rotated"
+    memory_distance: int = 0
 
     def __post_init__(self) -> None:
         check_int("window", self.window)
@@ -43,6 +44,7 @@ class AttentionSpec:
         check_int("chunk_size", self.chunk_size, 1, MAX_CHUNK)
         check_int("memory", self.memory, 0, MAX_MEMORY)
         check_int("memory_every", self.memory_every, 1, MAX_CHUNK)
+        check_int("memory_distance", self.memory_distance, 0, 2**31 - 1)
         if not isinstance(self.checkpoint_blocks, bool):
             raise ValueError(f"checkpoint_blocks must be True or False, got {self.checkpoint_blocks!r}")
         check_name(self.backend)
@@ -88,7 +90,8 @@ class CallPlan:
     ``sinks`` clipped to the Nk keys, the call's ``causal`` and logit ``scale``, the backend that
     runs the feature part (``backend``, resolved), whether the exact band of a causal hybrid runs
     the C++ kernel (``native_band``), and whether the recomputing hybrid's forward may answer its
-    band with that kernel where usable (``native_forward``: the call asked for ``"auto"``)."""
+    band with that kernel where usable (``native_forward``: the call asked for ``"auto"``), and the
+    rotation of position ``spec.memory_distance`` (``memory_rope``) when the memory clamps distances."""
 
     spec: AttentionSpec
     causal: bool
@@ -96,6 +99,7 @@ class CallPlan:
     backend: str
     native_band: bool = False
     native_forward: bool = False
+    memory_rope: tuple | None = None  # (cos, sin) [Dr] of position spec.memory_distance: the memory's far keys
 
     @property
     def window(self) -> int:

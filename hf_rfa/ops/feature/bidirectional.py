@@ -81,3 +81,21 @@ def bidirectional_feature_attention(
     if lqs and lqs[0] is not None:
         ls = ls + torch.cat(lqs, dim=-1)
     return Partial(res[..., :dv], res[..., dv], ls)
+
+
+def whole_features(feature_map, xq_f, xk_f, feat_mask) -> tuple:
+    """Whole-sequence features of a bidirectional call (no gate: it is causal only) for the autograd
+    forms: ``(qf [B,Hkv,G,N,F], lq [B,Hkv,G,N] | None, kf [B,Hkv,N,F], lk [B,Hkv,N] | None)``, the
+    keys outside ``feat_mask`` (padding, sinks) dropped."""
+    b, hkv, n = xk_f.shape[0], xk_f.shape[1], xk_f.shape[2]
+    g = xq_f.shape[1] // hkv
+    fq = feature_map.forward_queries(xq_f)
+    fk = feature_map.forward_keys(xk_f)
+    qf = fq.phi.reshape(b, hkv, g, n, -1)
+    lq = fq.log_scale.reshape(b, hkv, g, n) if fq.log_scale is not None else None
+    kf, lk = fk.phi, fk.log_scale
+    if feat_mask is not None:
+        kf = kf * feat_mask[:, None, :, None]
+        if lk is not None:
+            lk = torch.where(feat_mask[:, None, :], lk, torch.full_like(lk, NEG))
+    return qf, lq, kf, lk

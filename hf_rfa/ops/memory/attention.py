@@ -74,7 +74,7 @@ from ..masks import MAX_CHUNK, MAX_SINKS, check_feature_inputs, check_feature_ma
 from . import periods
 from .scores import MEMORY_SCORES, feature_error, value_norm
 from .sequential import run_sequential
-from .state import MAX_MEMORY, MemoryCall, MemoryState, check_memory_args
+from .state import MAX_MEMORY, MemoryCall, MemoryState, check_far, check_memory_args
 
 
 def _dispatch(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple) -> tuple[torch.Tensor, MemoryState]:
@@ -116,7 +116,7 @@ def memory_attention(
             feature_q = torch.cat([feature_q.new_zeros(b, h, nk - nq, d), feature_q], dim=2)
     km = torch.ones(b, nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     spec = call.spec
-    settings = MemoryCall(call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score)
+    settings = MemoryCall(call.window, call.sinks, spec.memory, spec.memory_every, call.scale, spec.chunk_size, call.native_band, spec.memory_score, spec.memory_distance, call.memory_rope)
     state = MemoryState.empty((b, hkv, d, dv, feature_map.feature_dim), call.sinks, spec.memory, k.dtype, q.device, ct, feature_keys=feature_k is not None)
     out, _ = _dispatch(state, q, k, v, km, feature_map, settings, (feature_q, feature_k))
     return to_output_dtype(out[:, :, nk - nq :], q.dtype)
@@ -129,6 +129,7 @@ def _check(state, q, k, v, feature_map, attention_mask, settings: MemoryCall, fe
     window, sinks, memory, memory_every, scale = settings.window, settings.sinks, settings.memory, settings.memory_every, settings.scale
     chunk_size, memory_score = settings.chunk_size, settings.memory_score
     feature_q, feature_k = features
+    check_far(settings.distance, settings.far_rope, q.shape[-1], feature_k is not None)
     if not isinstance(state, MemoryState):
         raise ValueError(f"state must be a MemoryState (MemoryState.empty before the first token), got {type(state).__name__}")
     b, h, n, d, hkv, nk = validate_qkv(q, k, v, causal=True)

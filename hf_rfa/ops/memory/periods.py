@@ -80,9 +80,13 @@ def _answer_block(g: int, e: int, exact: tuple, feature: tuple | None = None):
     ``[B, Hkv, K]`` or None; S ``[B, Hkv, pp, F, Dv]``, z ``[B, Hkv, pp, F]``, ref ``[B, Hkv, pp]`` the
     state after each period's refresh; sidx ``[pp, width]`` the pending keys' pool indices, vis
     ``[B, pp, E, width]`` pending key visible to the query slot."""
-    xq, idx, ok, pk, pool_v = exact
+    xq, idx, ok, pk, pool_v = exact[:5]
     b, hkv, pp, ge, _ = xq.shape
-    part = Partial(*exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2)))
+    far = None
+    if len(exact) > 5:  # (far queries, the pool's un-rotated keys, their positions, each row's query position, distance)
+        xq_far, pkf, ppos, t_rows, dist = exact[5]
+        far = (xq_far, _pool_gather(pkf, idx), t_rows[:, :, None] - _pool_gather(ppos, idx).unsqueeze(-2) > dist)
+    part = Partial(*exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2), far))
     if feature is None:
         return part.num, part.den, part.log_scale
     qf, lq, kf_pool, lk_pool, S, z, ref, sidx, vis = feature
@@ -123,7 +127,10 @@ def run_periods(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCa
             lk_pool = pool["lg"] if lk_pool is None else lk_pool + pool["lg"]
     chosen = _choose(state, c, (kf_pool, lk_pool, pool_v), settings, null)
     sel, linear, lo = chosen[0], chosen[1], chosen[2]
-    total = _answer(c, feature_map, chosen, pool["k"].to(ct) * root, pool_v, kf_pool, lk_pool, (settings.window, settings.memory_every, state.memory, null, (q, k, v)))
+    far = None
+    if c.far_q is not None:  # memory keys read at a clamped distance: the pool's un-rotated keys and positions
+        far = (settings.distance, pool["kf"].to(ct) * root, torch.cat([state.mem_pos, (c.pos0 + torch.arange(nloc, device=q.device)).expand(b, hkv, nloc)], dim=2))
+    total = _answer(c, feature_map, chosen, pool["k"].to(ct) * root, pool_v, kf_pool, lk_pool, (settings.window, settings.memory_every, state.memory, null, (q, k, v), far))
     final = {"ok": sel["ok"], "pos": sel["pos"], "norm": sel["norm"], **{name: gather_slots(x, sel["idx"]) for name, x in pool.items()}}
     return finish_call(state, c, total, linear, final, lo, km, feature_map.eps)
 
@@ -173,8 +180,9 @@ def _choose(state: MemoryState, c, pool: tuple, settings: MemoryCall, null: bool
 def _answer(c, feature_map, chosen, pk, pool_v, kf_pool, lk_pool, settings) -> Partial:
     """Step 2: every period's queries at once, in blocks of periods → the call's Partial
     ``[B, Hkv, G, n, ·]``. ``chosen``: :func:`_choose`'s result; ``pk``: the pool's keys · √scale;
-    ``settings``: ``(window, memory_every, memory, null, (q, k, v))``."""
-    window, e, memory, null, qkv = settings
+    ``settings``: ``(window, memory_every, memory, null, (q, k, v), far)``, ``far = (distance,
+    pool keys un-rotated · √scale, pool positions)`` or None."""
+    window, e, memory, null, qkv, far = settings
     _, _, _, mem_idx, mem_ok, los, states = chosen
     b, hkv, g, n, p0, pos0 = c.b, c.hkv, c.g, c.n, c.p0, c.pos0
     dev = pool_v.device
@@ -183,6 +191,9 @@ def _answer(c, feature_map, chosen, pk, pool_v, kf_pool, lk_pool, settings) -> P
     periods = j1 - j0 + 1
     off = p0 - j0 * e
     xq_p = _by_period(c.xqg, off, periods, e)  # [B,Hkv,P,G·E,D]
+    if far is not None:
+        far_p = _by_period(c.far_q, off, periods, e)
+        t_rows = torch.arange(j0 * e, (j1 + 1) * e, device=dev).view(periods, e).repeat(1, g)  # [P,G·E]: row g·E + e is query slot e
     if not null:
         qf, lq = map_features(feature_map, c.xqf, True, hkv)  # [B,Hkv,G,n,F], [B,Hkv,G,n] | None
         if c.gated:  # the decay from the anchor to each query
@@ -203,6 +214,8 @@ def _answer(c, feature_map, chosen, pk, pool_v, kf_pool, lk_pool, settings) -> P
     for p_lo in range(0, periods, PERIOD_BLOCK):
         p_hi = min(periods, p_lo + PERIOD_BLOCK)
         exact = (xq_p[:, :, p_lo:p_hi], torch.stack(mem_idx[p_lo:p_hi], dim=2), torch.stack(mem_ok[p_lo:p_hi], dim=2), pk, pool_v)
+        if far is not None:
+            exact = (*exact, (far_p[:, :, p_lo:p_hi], far[1], far[2], t_rows[p_lo:p_hi], far[0]))
         args = [exact]
         if not null:
             blk = states[p_lo:p_hi]

@@ -63,10 +63,14 @@ def run_sequential(state: MemoryState, q, k, v, km, feature_map, settings: Memor
                 linear = fold(linear, kf, lkf, folded["v"].to(ct))
             lo = hi
         mk, mv = mem["k"].to(ct) * root, mem["v"].to(ct)
+        mkf = mem["kf"].to(ct) * root if c.far_q is not None else None
         for c0 in range(a, end, chunk_size):
             c1 = min(end, c0 + chunk_size)
             qi = slice(c0 - p0, c1 - p0)
-            part = memory_part(c.xqg[:, :, :, qi], mk, mv, mem["ok"])
+            far = None
+            if mkf is not None:  # memory keys more than `distance` behind the query: read at that distance
+                far = (c.far_q[:, :, :, qi], mkf, torch.arange(c0, c1, device=dev).view(1, 1, -1, 1) - mem["pos"].unsqueeze(2) > settings.distance)
+            part = memory_part(c.xqg[:, :, :, qi], mk, mv, mem["ok"], far)
             if not null:
                 qf, lq = map_features(feature_map, c.xqf[:, :, qi], True, hkv)
                 if c.gated:  # the decay from the anchor to each query

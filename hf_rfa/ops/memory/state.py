@@ -29,13 +29,28 @@ def check_memory_args(memory, memory_every, causal: bool, feature_map, memory_sc
     return memory, memory_every
 
 
+def check_far(distance, far_rope, head_dim: int, feature_keys: bool) -> None:
+    """``MemoryCall.distance`` / ``far_rope`` checked (ValueError naming the bad value)."""
+    check_int("memory_distance", distance, 0, 2**31 - 1)
+    if distance == 0:
+        return
+    if not feature_keys:
+        raise ValueError(f"memory_distance={distance} re-reads memory keys un-rotated: it needs the feature inputs un-rotated (feature_input='unrotated'), got none")
+    ok = isinstance(far_rope, (tuple, list)) and len(far_rope) == 2 and all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 1 for t in far_rope)
+    if not ok or far_rope[0].shape != far_rope[1].shape or not (0 < far_rope[0].shape[0] <= head_dim) or far_rope[0].shape[0] % 2:
+        raise ValueError(f"memory_distance={distance} needs memory_rope = (cos, sin) of that position, two float tensors [Dr] (Dr even, <= head dim {head_dim}), got {type(far_rope).__name__}")
+
+
 @dataclass(frozen=True)
 class MemoryCall:
     """The settings of one exact-memory call (:func:`~hf_rfa.ops.memory.sequential.run_sequential`,
     :func:`~hf_rfa.ops.memory.periods.run_periods`): window W, sinks S, ``memory`` M slots, refreshes
     every ``memory_every`` positions, the logit ``scale`` (None: ``D ** -0.5``, resolved by the entry
     points), the window/sink part's ``chunk_size``, ``native_band`` (a prefill's window/sink part
-    runs the compiled kernel: the op's rule) and ``memory_score`` (:data:`MEMORY_SCORES`)."""
+    runs the compiled kernel: the op's rule), ``memory_score`` (:data:`MEMORY_SCORES`), and
+    ``distance`` Δ > 0 with ``far_rope = (cos, sin)`` ``[Dr]`` of position Δ: a memory key more
+    than Δ positions behind the query is scored as if Δ behind it (its un-rotated key against
+    :func:`~hf_rfa.ops.rotary.far_queries`; needs the feature keys un-rotated). 0: true distances."""
 
     window: int = 0
     sinks: int = 0
@@ -45,6 +60,8 @@ class MemoryCall:
     chunk_size: int = 64
     native_band: bool = False
     memory_score: str = "value_norm"
+    distance: int = 0
+    far_rope: tuple | None = None
 
 
 @dataclass

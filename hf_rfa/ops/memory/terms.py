@@ -16,6 +16,7 @@ from ..decode.state import DecodeState, exact_part, join_sinks
 from ..masks import NEG, exp_floor, sink_positions
 from ..partial import Partial, finalize, merge
 from ..recurrent import LinearState, decay
+from ..rotary import far_queries
 from .scores import round_log2, value_norm, window_mass
 from .state import MemoryCall, MemoryState
 
@@ -53,12 +54,15 @@ def _weights(scores_or_logs: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tens
     return w, r
 
 
-def exact_terms(xq: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def exact_terms(xq: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor, far: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax terms ``(num, den, row max)`` of queries ``xq [..., R, D]`` over keys ``[..., K, D]``
     (values ``[..., K, Dv]``) where ``ok [..., 1 | R, K]`` (:func:`_weights`'s weights). Without
     autograd the weights are formed in place in the scores (no [R, K] temporaries; the masks are
-    skipped when every key is valid) — the same values."""
+    skipped when every key is valid) — the same values. ``far = (xq2, keys2, mask [..., R, K])``:
+    where mask, the score is ``xq2·keys2`` instead (a memory key read at a clamped distance)."""
     scores = xq @ keys.transpose(-1, -2)
+    if far is not None:
+        scores = torch.where(far[2], far[0] @ far[1].transpose(-1, -2), scores)
     if torch.is_grad_enabled() and (xq.requires_grad or keys.requires_grad or vals.requires_grad):
         w, r = _weights(scores, ok)
         return w @ vals, w.sum(-1), r
@@ -72,11 +76,15 @@ def exact_terms(xq: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ok: to
     return scores @ vals, scores.sum(-1), r.squeeze(-1)
 
 
-def memory_part(xq: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, ok: torch.Tensor) -> Partial:
+def memory_part(xq: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor, ok: torch.Tensor, far: tuple | None = None) -> Partial:
     """Exact softmax terms of the memory: xq ``[B, Hkv, G, C, D]``, mk ``[B, Hkv, M, D]`` (both
-    scaled by √scale), mv ``[B, Hkv, M, Dv]``, ok ``[B, Hkv, M]``."""
+    scaled by √scale), mv ``[B, Hkv, M, Dv]``, ok ``[B, Hkv, M]``. ``far = (xq_far [B, Hkv, G, C,
+    D], mkf [B, Hkv, M, D], mask [B, Hkv, C, M])``: the memory keys beyond the clamped distance
+    (mask) are scored un-rotated (mkf) against the far queries."""
     b, hkv, g, c, d = xq.shape
-    num, den, r = exact_terms(xq.reshape(b, hkv, g * c, d), mk, mv, ok[:, :, None, :])  # G·C rows: no broadcast copies
+    if far is not None:
+        far = (far[0].reshape(b, hkv, g * c, d), far[1], far[2].unsqueeze(2).expand(b, hkv, g, c, far[2].shape[-1]).reshape(b, hkv, g * c, -1))
+    num, den, r = exact_terms(xq.reshape(b, hkv, g * c, d), mk, mv, ok[:, :, None, :], far)  # G·C rows: no broadcast copies
     return Partial(num.view(b, hkv, g, c, -1), den.view(b, hkv, g, c), r.view(b, hkv, g, c))
 
 
@@ -145,6 +153,7 @@ class Call:
     norms: torch.Tensor | None  # [B,Hkv,L] value_norm / query_mass scores (None: scored by feature_error)
     exact: Partial | None  # window band + sinks of the n queries
     mass: torch.Tensor | None = None  # [B,Hkv,L] float64 query_mass sums (window_mass), None for the other scores
+    far_q: torch.Tensor | None = None  # [B,Hkv,G,n,D] the feature queries as read at MemoryCall.distance (far_queries), or None
 
 
 def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryCall, features: tuple) -> Call:
@@ -200,8 +209,9 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
         if exact is not None:
             mass = mass + window_mass(xqg, xk, (exact.den, exact.log_scale), (km, real), window, p0 - pos0)
         norms = round_log2(mass).to(ct)
+    far_q = far_queries(xqf, settings.far_rope).reshape(b, hkv, g, n, d) if settings.distance > 0 else None
     return Call(b, h, n, hkv, g, ct, root, p0, pos0, (sink_k, sink_v, sink_pos, sink_exists), lk_raw, lv_raw, lkf_raw, real, feat,
-                 xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact, mass)
+                 xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact, mass, far_q)
 
 
 def finish_call(state: MemoryState, c: Call, total: Partial, linear: LinearState, mem: dict[str, torch.Tensor], lo: int, km: torch.Tensor, eps: float) -> tuple[torch.Tensor, MemoryState]:
