@@ -22,7 +22,7 @@ from torch import nn
 from ..feature_maps import FeatureMap
 from ..ops import attend
 from ..ops.spec import AttentionSpec
-from .rope import ROPE_ATTR, checked_rope, unrotate
+from .rope import ROPE_ATTR, checked_rope, rotation_at, unrotate
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,9 @@ class RFAAttention(nn.Module):
         self.feature_map = feature_map
         self.spec = spec if spec is not None else AttentionSpec(**settings)
         self.layer_idx = int(layer_idx)
-        #: ``(cos, sin)`` ``[Dr]`` of position ``memory_distance`` from the model's rotary embedding (set by ``hf_rfa.convert`` / ``reconfigure``), or None
-        self.memory_rope = None
+        #: the model's rotary embedding module(s), a plain tuple (not submodules; set by ``hf_rfa.convert``)
+        self.rotary: tuple = ()
+        self._memory_rope: tuple = (None, None)  # (key, (cos, sin))
 
     window = _spec_field("window")
     sinks = _spec_field("sinks")
@@ -105,6 +106,18 @@ class RFAAttention(nn.Module):
             return cache.attend(self, query, key, value, attention_mask, causal, scale)
         spec = self.spec if backend == self.spec.backend else self.spec.replace(backend=backend)
         return attend(query, key, value, self.feature_map, spec, causal=causal, attention_mask=attention_mask, scale=scale, feature_rope=rope, memory_rope=self.memory_rope)
+
+    @property
+    def memory_rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, sin)`` ``[Dr]`` of position ``memory_distance`` from the model's rotary embedding
+        (None when 0 or without one), computed when first needed and again when the rotary
+        embedding's buffers change (a move to another device, weights loaded from the meta device)."""
+        if self.memory_distance == 0 or not self.rotary:
+            return None
+        key = (self.memory_distance, tuple((id(b), b.device) for m in self.rotary for b in m.buffers()))
+        if self._memory_rope[0] != key:
+            self._memory_rope = (key, rotation_at(self.rotary, self.memory_distance))
+        return self._memory_rope[1]
 
     def extra_repr(self) -> str:
         mem = f", memory={self.memory}, memory_every={self.memory_every}, memory_score={self.memory_score}" if self.memory else ""

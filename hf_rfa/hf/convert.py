@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import compat
 from .attention import ATTN_NAME, RFAAttention, register
-from .rope import install_rope_hook, rotation_at, takes_position_embeddings
+from .rope import install_rope_hook, rotary_modules, takes_position_embeddings
 from .checkpoint import _resolve_dir, check_loaded_rfa, checkpoint_files, load_rfa_state, report_unexpected_rfa_keys, verify_safetensors  # noqa: F401 (re-exported)
 from ..config import CONFIG_ATTR, RFAConfig
 from ..feature_maps import FeatureMap, build_feature_map, derive_seed
@@ -244,11 +244,14 @@ RUNTIME_FIELDS = ("window", "sinks", "memory", "memory_every", "memory_score", "
 
 
 def _attach_memory_rope(model: nn.Module, config: RFAConfig) -> None:
-    """Give every converted layer the rotation of position ``config.memory_distance`` (None when 0)."""
-    rope = rotation_at(model, config.memory_distance) if config.memory_distance > 0 else None
+    """Give every converted layer the model's rotary embedding, which its ``memory_rope`` reads at
+    ``memory_distance`` when first needed (the weights may still be on the meta device here)."""
+    rotary = rotary_modules(model) if config.memory_distance > 0 else ()
+    if config.memory_distance > 0 and not rotary:
+        raise ValueError(f"memory_distance={config.memory_distance}: {type(model).__name__} has no rotary embedding module (*RotaryEmbedding) to rotate by")
     for module in model.modules():
         if isinstance(module, RFAAttention):
-            module.memory_rope = rope
+            module.rotary = rotary
 
 
 def reconfigure(model: nn.Module, **changes: Any) -> nn.Module:

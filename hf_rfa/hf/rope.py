@@ -18,11 +18,14 @@ first ``Dr = cos.shape[-1]`` dims form the rotated pairs; dims beyond ``Dr`` are
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from torch import nn
 
 from ..ops.rotary import unrotate
+
+logger = logging.getLogger(__name__)
 
 #: attribute of the attention module holding the last forward's ``(cos, sin)`` (or None)
 ROPE_ATTR = "_hf_rfa_rope"
@@ -50,23 +53,47 @@ def install_rope_hook(module: nn.Module) -> None:
     setattr(module, ROPE_ATTR, None)
 
 
-def rotation_at(model: nn.Module, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[Dr]`` (float32) of ``position`` from ``model``'s rotary embedding module (a
-    module whose class name ends in ``RotaryEmbedding``, called as ``forward(x, position_ids)``).
-    ValueError when the model has none, or several that disagree at ``position``."""
+def rotary_modules(model: nn.Module) -> tuple[nn.Module, ...]:
+    """``model``'s rotary embedding modules (class name ending in ``RotaryEmbedding``, called as
+    ``forward(x, position_ids)``)."""
+    return tuple(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+
+
+def rotation_at(model: nn.Module | tuple, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[Dr]`` (float32, on the module's device) of ``position`` from ``model``'s
+    rotary embedding (:func:`rotary_modules`, or those modules given as a tuple). ValueError when
+    there is none, or several that disagree at ``position``."""
+    mods = rotary_modules(model) if isinstance(model, nn.Module) else tuple(model)
     found = []
-    for name, module in model.named_modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            ref = next(iter(module.buffers()), None)
-            x = torch.zeros(1, dtype=torch.float32, device=ref.device if ref is not None else "cpu")
-            with torch.no_grad():
-                cos, sin = module(x, torch.tensor([[int(position)]], device=x.device))
-            found.append((name, cos.reshape(-1, cos.shape[-1])[0].float(), sin.reshape(-1, sin.shape[-1])[0].float()))
+    for module in mods:
+        ref = next(iter(module.buffers()), None)
+        x = torch.zeros(1, dtype=torch.float32, device=ref.device if ref is not None else "cpu")
+        with torch.no_grad():
+            cos, sin = module(x, torch.tensor([[int(position)]], device=x.device))
+        found.append((cos.reshape(-1, cos.shape[-1])[0].float(), sin.reshape(-1, sin.shape[-1])[0].float()))
+    name = type(model).__name__ if isinstance(model, nn.Module) else "the model"
     if not found:
-        raise ValueError(f"memory_distance={position}: {type(model).__name__} has no rotary embedding module (*RotaryEmbedding) to rotate by")
-    if any(c.shape != found[0][1].shape or not (torch.equal(c, found[0][1]) and torch.equal(s, found[0][2])) for _, c, s in found[1:]):
-        raise ValueError(f"memory_distance={position}: {type(model).__name__}'s rotary embeddings {[n for n, _, _ in found]} differ at that position; one is supported")
-    return found[0][1], found[0][2]
+        raise ValueError(f"memory_distance={position}: {name} has no rotary embedding module (*RotaryEmbedding) to rotate by")
+    if any(c.shape != found[0][0].shape or not (torch.equal(c, found[0][0]) and torch.equal(s, found[0][1])) for c, s in found[1:]):
+        raise ValueError(f"memory_distance={position}: {name}'s {len(found)} rotary embeddings differ at that position; one is supported")
+    return found[0]
+
+
+def clamp_memory_distance(model: nn.Module) -> int:
+    """Set a converted model's ``memory_distance`` to its ``max_position_embeddings`` − 1 where that
+    applies (an exact memory, the feature part on un-rotated q/k, a rotary embedding, no clamp set
+    yet): past its trained positions the memory's keys are read at the farthest distance it was
+    trained on, and within them nothing changes. Returns the distance set (0: none)."""
+    from .convert import reconfigure, rfa_config_of  # (convert imports this module)
+
+    cfg, limit = rfa_config_of(model), getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if cfg is None or not cfg.any_memory or cfg.feature_input != "unrotated" or cfg.memory_distance or not isinstance(limit, int) or limit < 2:
+        return 0
+    if not rotary_modules(model):
+        return 0
+    reconfigure(model, memory_distance=limit - 1)
+    logger.info("memory keys farther back than %d positions (max_position_embeddings - 1) are read as if that far", limit - 1)
+    return limit - 1
 
 
 def checked_rope(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,4 +126,4 @@ def unrotated_qk(pe: tuple[torch.Tensor, torch.Tensor] | None, query: torch.Tens
     return unrotate(query, cos, sin), unrotate(key, cos, sin)
 
 
-__all__ = ["ROPE_ATTR", "checked_rope", "rotation_at", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]
+__all__ = ["ROPE_ATTR", "checked_rope", "clamp_memory_distance", "rotary_modules", "rotation_at", "install_rope_hook", "takes_position_embeddings", "unrotate", "unrotated_qk"]

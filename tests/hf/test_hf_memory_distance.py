@@ -7,7 +7,7 @@ import torch
 
 import hf_rfa
 from hf_rfa.hf.cache import RFACache
-from hf_rfa.hf.rope import rotation_at
+from hf_rfa.hf.rope import clamp_memory_distance, rotation_at
 from tiny_models import tiny_model
 
 BASE = dict(feature_map="hedgehog", num_features=16, window=4, sinks=1, memory=3, memory_every=4, chunk_size=8, feature_input="unrotated")
@@ -28,6 +28,7 @@ def test_the_rotation_is_the_models_own():
     x = torch.zeros(1)
     cos, sin = rot(x, torch.arange(20)[None])
     got = rotation_at(model, 13)
+    assert all(torch.equal(a, b) for a, b in zip(rotation_at((rot,), 13), got))
     assert torch.equal(got[0], cos[0, 13]) and torch.equal(got[1], sin[0, 13])
     with pytest.raises(ValueError, match="no rotary embedding"):
         rotation_at(tiny_model("bert"), 13)
@@ -76,3 +77,15 @@ def test_rotated_feature_inputs_refuse_a_clamp():
         hf_rfa.RFAConfig(**{**BASE, "feature_input": "rotated", "memory_distance": DELTA})
     with pytest.raises(ValueError, match="memory_distance"):
         hf_rfa.RFAConfig(**{**BASE, "memory_distance": -2})
+
+
+def test_the_recipe_clamps_at_the_models_positions():
+    model = _model()
+    limit = model.config.max_position_embeddings
+    assert clamp_memory_distance(model) == limit - 1 and hf_rfa.rfa_config_of(model).memory_distance == limit - 1
+    assert clamp_memory_distance(model) == 0  # already set: left as it is
+    ids = torch.randint(2, 60, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, _model()(ids).logits)  # within the positions nothing changes
+    for changes in (dict(memory=0), dict(feature_input="rotated")):
+        assert clamp_memory_distance(_model(**changes)) == 0

@@ -85,6 +85,8 @@ CASES = {
     "llama_favor_memory": ("llama", "lm", dict(feature_map="favor+", num_features=16, window=4, sinks=2, memory=3, memory_every=4), None, False, "AutoModelForCausalLM"),
     "llama_hedgehog_norm_preserving": ("llama", "lm", dict(feature_map="hedgehog", num_features=8, window=3, sinks=1, decay=4.0,
                                                           feature_map_options={"hybrid_mix": True, "norm_preserving": True}), None, True, "AutoModelForCausalLM"),
+    "llama_hedgehog_memory_distance": ("llama", "lm", dict(feature_map="hedgehog", num_features=8, window=3, sinks=1, memory=3, memory_every=4,
+                                                          feature_input="unrotated", memory_distance=5), None, True, "AutoModelForCausalLM"),
     "llama_cls_rfa_gate": ("llama", "cls", dict(feature_map="rfa", num_features=8, gate=True, sinks=1), None, True, "AutoModelForSequenceClassification"),
 }
 

@@ -432,6 +432,8 @@ def test_memory_after_training_rows_and_published_model(tiny_dir, tmp_path):
     cfg_out = hf_rfa.rfa_config_of(model)
     assert (cfg_out.memory, cfg_out.memory_every, cfg_out.memory_score) == (3, 8, "feature_error")
     assert model.model.layers[0].self_attn.rfa.memory == 3
+    # past the model's positions its memory keys count as the farthest trained distance (tests/hf/test_hf_memory_distance.py)
+    assert cfg_out.memory_distance == model.config.max_position_embeddings - 1 and model.model.layers[0].self_attn.rfa.memory_rope is not None
     with pytest.raises(ValueError, match="memory_after_training"):
         pipeline.ConversionConfig(model="x", rfa=hf_rfa.RFAConfig(memory=2), memory_after_training=3)
     with pytest.raises(ValueError, match="memory_after_training"):
@@ -584,20 +586,23 @@ def test_evaluate_rfa_settings_equal_a_model_converted_with_them(tiny_dir, tmp_p
 
 def test_evaluate_warns_when_the_memory_reads_past_the_rotary_positions(tiny_dir, tmp_path, caplog):
     """A converted rotary model with an exact memory read past ``max_position_embeddings`` (512 for the
-    tiny Llama) logs one warning naming the limit and the way out; within it, or without a memory, none."""
+    tiny Llama) logs one warning naming the limit and the way out; within it, without a memory, or with
+    the memory's distances clamped below the limit, none."""
     import logging
 
     from hf_rfa import cli
 
-    m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1, memory=3, memory_every=4))
+    m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1, memory=3, memory_every=4, feature_input="unrotated"))
     m.save_pretrained(tmp_path / "m")
     _tokenizer().save_pretrained(tmp_path / "m")
     common = ["--model", str(tmp_path / "m"), "--text", tiny_dir["eval"], "--max-tokens", "1023", "--no-progress"]
-    for extra, warned in ((["--context", "1024"], True), (["--context", "512"], False), (["--context", "1024", "--rfa", "memory=0"], False)):
+    cases = ((["--context", "1024"], True), (["--context", "512"], False), (["--context", "1024", "--rfa", "memory=0"], False),
+             (["--context", "1024", "--rfa", "memory_distance=511"], False), (["--context", "1024", "--rfa", "memory_distance=600"], True))
+    for extra, warned in cases:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="hf_rfa.cli"):
             cli.evaluate_main(common + extra)
         hits = [r.getMessage() for r in caplog.records if "max_position_embeddings (512)" in r.getMessage()]
         assert len(hits) == int(warned), (extra, hits)
         if warned:
-            assert hits[0].startswith("--context: 1024 tokens with an exact memory") and "--rfa memory=0" in hits[0]
+            assert hits[0].startswith("--context: 1024 tokens with an exact memory") and "--rfa memory_distance=511" in hits[0]

@@ -83,15 +83,16 @@ def memory_beyond_positions(model: nn.Module, tokens: int) -> str | None:
     """The warning for reading ``tokens`` with an exact memory past a rotary model's
     ``max_position_embeddings`` (None where that does not apply): the memory's keys then lie at
     rotary distances the model was never trained on, and on SmolLM2-135M (8,192 positions) the
-    published model's memory raised perplexity at 12k and 16k tokens instead of lowering it."""
+    published model's memory raised perplexity at 12k and 16k tokens instead of lowering it. No
+    warning when ``memory_distance`` clamps the distances below the limit."""
     from ...hf.convert import rfa_config_of
 
     cfg, limit = rfa_config_of(model), _positions(model)
-    if cfg is None or not cfg.any_memory or not has_rotary(model) or limit is None or tokens <= limit:
+    if cfg is None or not cfg.any_memory or not has_rotary(model) or limit is None or tokens <= limit or 0 < cfg.memory_distance < limit:
         return None
     return (f"{tokens} tokens with an exact memory: keys farther back than max_position_embeddings ({limit}) are read at rotary "
-            f"distances the model was never trained on, and the memory may hurt there (see docs/conversion.md); "
-            f"--rfa memory=0 reads them through the features only")
+            f"distances the model was never trained on, and the memory hurts there (see docs/conversion.md); "
+            f"--rfa memory_distance={limit - 1} reads them as if {limit - 1} back")
 
 
 def check_model(cfg: ConversionConfig, model: nn.Module, kind: str) -> list[str]:

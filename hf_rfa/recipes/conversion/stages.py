@@ -23,6 +23,7 @@ from . import calibration, devices, layerwise, transfer
 from .lora import target_weights
 from ...config import RFAConfig
 from ...hf.convert import convert, set_memory
+from ...hf.rope import clamp_memory_distance
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
 from .host_memory import measure_peak_rss, release_free_memory
 from .state import State, classifier_scores, evaluate
@@ -272,10 +273,10 @@ def train_lora(s: State) -> dict | None:
 
 def add_memory(s: State) -> bool:
     """Causal LMs with ``memory_after_training``: switch the exact memory on (it has no parameters)."""
-    cfg = s.cfg
-    if not (cfg.memory_after_training and s.kind == CAUSAL_LM):
+    if not (s.cfg.memory_after_training and s.kind == CAUSAL_LM):
         return False
-    set_memory(s.model, cfg.memory_after_training, cfg.rfa.memory_every, cfg.rfa.memory_score)
+    set_memory(s.model, s.cfg.memory_after_training, s.cfg.rfa.memory_every, s.cfg.rfa.memory_score)
+    clamp_memory_distance(s.model)  # read past its trained positions, memory keys count as the farthest trained distance
     return True
 
 
