@@ -5,7 +5,7 @@
 perplexity per text and context, and each row's ratio to the reference row (``--reference``),
 paired over the windows both read::
 
-    python research/long_range_recall/context_16k.py collect "original@wikipedia:eval=RUN.json" ... --out context_16k.json
+    python research/long_range_recall/context_16k.py collect "original@wikipedia:eval=RUN.json" ... --out context_16k.json [--add]
     python research/long_range_recall/context_16k.py --reference "recipe, memory 0"
 """
 
@@ -20,9 +20,10 @@ from hf_rfa.recipes.intervals import paired_ratio_ci
 KEPT = Path(__file__).resolve().parent / "context_16k.json"
 
 
-def collect(specs: list[str], out: Path) -> dict:
-    """``LABEL@TEXT=FILE.json`` perplexity results into ``{label: {text@context: result}}``."""
-    rows: dict = {}
+def collect(specs: list[str], out: Path, add: bool = False) -> dict:
+    """``LABEL@TEXT=FILE.json`` perplexity results into ``{label: {text@context: result}}``; with
+    ``add``, into the rows ``out`` already holds."""
+    rows: dict = json.loads(out.read_text()) if add and out.exists() else {}
     for spec in specs:
         key, eq, path = spec.partition("=")
         label, at, text = key.partition("@")
@@ -63,10 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", help="'collect' then LABEL@TEXT=FILE.json perplexity results")
     p.add_argument("--out", default=str(KEPT), help="collect: the kept file to write")
+    p.add_argument("--add", action="store_true", help="collect: keep the rows the kept file holds and add these")
     p.add_argument("--reference", default=None, help="the label the ratios are to (paired over the windows)")
     a = p.parse_args(argv)
     try:
-        rows = collect(a.runs[1:], Path(a.out)) if a.runs and a.runs[0] == "collect" else json.loads(KEPT.read_text())
+        rows = collect(a.runs[1:], Path(a.out), a.add) if a.runs and a.runs[0] == "collect" else json.loads(KEPT.read_text())
         print(render(rows, a.reference))
     except ValueError as e:
         p.error(str(e))
