@@ -85,7 +85,9 @@ def _answer_block(g: int, e: int, exact: tuple, feature: tuple | None = None):
     far = None
     if len(exact) > 5:  # (far queries, the pool's un-rotated keys, their positions, each row's query position, distance)
         xq_far, pkf, ppos, t_rows, dist = exact[5]
-        far = (xq_far, _pool_gather(pkf, idx), t_rows[:, :, None] - _pool_gather(ppos, idx).unsqueeze(-2) > dist)
+        mask = t_rows[:, :, None] - _pool_gather(ppos, idx).unsqueeze(-2) > dist
+        if bool(mask.any()):  # (no key that far yet: the true distances, and no second product)
+            far = (xq_far, _pool_gather(pkf, idx), mask)
     part = Partial(*exact_terms(xq, _pool_gather(pk, idx), _pool_gather(pool_v, idx), ok.unsqueeze(-2), far))
     if feature is None:
         return part.num, part.den, part.log_scale

@@ -69,7 +69,8 @@ def run_sequential(state: MemoryState, q, k, v, km, feature_map, settings: Memor
             qi = slice(c0 - p0, c1 - p0)
             far = None
             if mkf is not None:  # memory keys more than `distance` behind the query: read at that distance
-                far = (c.far_q[:, :, :, qi], mkf, torch.arange(c0, c1, device=dev).view(1, 1, -1, 1) - mem["pos"].unsqueeze(2) > settings.distance)
+                mask = torch.arange(c0, c1, device=dev).view(1, 1, -1, 1) - mem["pos"].unsqueeze(2) > settings.distance
+                far = (c.far_q[:, :, :, qi], mkf, mask) if bool(mask.any()) else None
             part = memory_part(c.xqg[:, :, :, qi], mk, mv, mem["ok"], far)
             if not null:
                 qf, lq = map_features(feature_map, c.xqf[:, :, qi], True, hkv)

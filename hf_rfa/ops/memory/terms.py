@@ -209,7 +209,8 @@ def prepare_call(state: MemoryState, q, k, v, km, feature_map, settings: MemoryC
         if exact is not None:
             mass = mass + window_mass(xqg, xk, (exact.den, exact.log_scale), (km, real), window, p0 - pos0)
         norms = round_log2(mass).to(ct)
-    far_q = far_queries(xqf, settings.far_rope).reshape(b, hkv, g, n, d) if settings.distance > 0 else None
+    far = settings.distance > 0 and p0 + n - 1 > settings.distance  # (else no key can be that far back in this call)
+    far_q = far_queries(xqf, settings.far_rope).reshape(b, hkv, g, n, d) if far else None
     return Call(b, h, n, hkv, g, ct, root, p0, pos0, (sink_k, sink_v, sink_pos, sink_exists), lk_raw, lv_raw, lkf_raw, real, feat,
                  xqg, xk, vv, xqf, xkf, gated, cg, key_lg, norms, exact, mass, far_q)
 
