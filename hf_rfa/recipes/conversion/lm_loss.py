@@ -70,8 +70,13 @@ def supports_chunked_loss(lm: nn.Module) -> bool:
     return getattr(lm, "loss_function", None) is ForCausalLMLoss
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 when it is float64 (losses are never taken in half precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _chunk_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
+    logits = _wide(head(hidden))
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
 
 
@@ -89,9 +94,10 @@ def causal_lm_loss(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, 
 
 def _chunked_sum(fn, head: nn.Module, chunk: int | None, hidden: torch.Tensor, *per_position: torch.Tensor) -> torch.Tensor:
     """``Σ fn(head, hidden[:, part], *(t[:, part] for t in per_position))`` over parts of ``chunk``
-    positions (default: :func:`loss_chunk`), each under activation checkpointing, in float32."""
+    positions (default: :func:`loss_chunk`), each under activation checkpointing, in float32 (float64
+    for a float64 model)."""
     chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for i in range(0, hidden.shape[1], chunk):
         part = slice(i, i + chunk)
         total = total + checkpoint(fn, head, hidden[:, part], *(t[:, part] for t in per_position), use_reentrant=False)
@@ -108,9 +114,10 @@ def _chunked_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ch
 
 def kl_from_logits(logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ KL(teacher ‖ student)`` over the positions where ``valid`` (``[...]`` bool; None: all) of
-    two ``[..., vocab]`` logit tensors, in float32: ``Σ_v p_t (log p_t − log p_s)`` per position."""
-    log_s = torch.log_softmax(logits.float(), dim=-1)
-    log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    two ``[..., vocab]`` logit tensors, in float32 (float64 for float64 logits):
+    ``Σ_v p_t (log p_t − log p_s)`` per position."""
+    log_s = torch.log_softmax(_wide(logits), dim=-1)
+    log_t = torch.log_softmax(_wide(teacher_logits), dim=-1)
     per_position = (log_t.exp() * (log_t - log_s)).sum(-1)
     if valid is not None:
         per_position = per_position.masked_fill(~valid, 0.0)
