@@ -40,6 +40,7 @@ VARIANTS = {  # name: (memory_score, per-layer sizes?)
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--model", required=True, help="the converted model's folder (a make main output)")
 p.add_argument("--per-layer", default=str(Path(__file__).with_name("attention_mass.jsonl")), help="attention_mass.py's output: its proportional_memory column")
+p.add_argument("--per-layer-key", default="proportional_memory", help="the column of --per-layer that holds the sizes (copy_layers.py writes several)")
 p.add_argument("--variants", default="default,per_layer,query_mass,query_mass+per_layer")
 p.add_argument("--memory", type=int, default=256)
 p.add_argument("--draws", type=int, default=4)
@@ -57,11 +58,15 @@ if a.label and "," in a.variants:
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
+_rows = [json.loads(line) for line in open(a.per_layer)]
+if any(a.per_layer_key not in r for r in _rows):
+    p.error(f"--per-layer-key {a.per_layer_key!r} is not a column of every line of {a.per_layer}; its columns: {sorted(_rows[0]) if _rows else []}")
+per_layer = [r[a.per_layer_key] for r in _rows]
+
 model, tok, _ = load_model(a.model)
 model.eval()
 ids = evaluation.tokenize(tok, evaluation.load_text("wikipedia:eval"))
 filler = long_range.natural_filler(tok, evaluation.load_text("wikipedia:eval"), "wikipedia:eval")
-per_layer = [json.loads(line)["proportional_memory"] for line in open(a.per_layer)]
 
 FIRST: list[dict] = []  # the first answer token of every passkey trial of the current variant
 _hits = long_range._passkey_hits

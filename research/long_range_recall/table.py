@@ -1,5 +1,6 @@
 """The README's tables from result.jsonl (recall.py's rows), memory_size.jsonl (recall.py's rows of
-the memory-size sweep, where present), decay.jsonl (the decay variants, where present) and attention_mass.jsonl.
+the memory-size sweep, where present), decay.jsonl (the decay variants, where present),
+copy_budget.jsonl with copy_layers.jsonl (memory budgets by the copy layers, where present) and attention_mass.jsonl.
 
     python research/long_range_recall/table.py
 """
@@ -67,3 +68,19 @@ if (here / "decay.jsonl").exists():
     print("|---|---|---|---|---|---|")
     for r in map(json.loads, open(here / "decay.jsonl")):
         print(f"| {r['variant']} | {recall_cells(r)}")
+if (here / "copy_budget.jsonl").exists():
+    layers = [json.loads(line) for line in open(here / "copy_layers.jsonl")]
+    print()
+    print("| layer | attention on the first copy (@512 / @3,584, kv heads) | on its source key (@512 / @3,584) |")
+    print("|---|---|---|")
+    for m in layers:
+        if m["induction_score"] >= 0.01:
+            heads = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+            print(f"| {m['layer']} | {heads(m['copy_mass@512'])} / {heads(m['copy_mass@3584'])} | {heads(m['induction@512'])} / {heads(m['induction@3584'])} |")
+    print()
+    print("| memory per layer (sum 7,680 per kv head) | sizes | ppl @4k | × uniform 256 | copy @512 | copy @3,584 | minutes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in map(json.loads, open(here / "copy_budget.jsonl")):
+        per = r["memory_per_layer"]
+        sizes = "256 each" if per is None else f"{min(per)}–{max(per)}"
+        print(f"| {r['variant']} | {sizes} | {recall_cells(r)}")
