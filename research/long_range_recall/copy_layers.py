@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=16)
     p.add_argument("--draws", type=int, default=4)
     p.add_argument("--memory", type=int, default=256, help="keys per kv head on average over the layers (the recipe's uniform memory)")
-    p.add_argument("--floors", type=int, nargs="*", default=[64, 128])
+    p.add_argument("--floors", type=int, nargs="*", default=[64, 96, 128, 160, 192, 224])
     p.add_argument("--out", default=str(Path(__file__).with_name("copy_layers.jsonl")))
     a = p.parse_args()
     if a.draws < 1 or a.passage <= a.skip + 1 or any(g < 0 for g in a.gaps):
