@@ -17,6 +17,8 @@ SETTINGS = {
     "favor+feature_error": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8, memory_score="feature_error"),
     "favor+query_mass": dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=3, memory_every=4, chunk_size=8, memory_score="query_mass"),
     "none+query_mass+per_layer": dict(feature_map="none", window=4, sinks=2, memory=3, memory_every=4, memory_score="query_mass", memory_per_layer=[3, 5]),
+    "hedgehog+feature_error+per_layer": dict(feature_map="hedgehog", num_features=16, window=3, sinks=0, memory=2, memory_every=5, chunk_size=4,
+                                              memory_score="feature_error", memory_per_layer=[1, 6]),
 }
 
 
