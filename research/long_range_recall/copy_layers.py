@@ -67,7 +67,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("NT", "2")))
 
     state: dict = {"gap": None}
-    sums: dict[tuple[int, int], list[torch.Tensor]] = {}  # (layer, gap) -> [copy_mass, induction] per kv head, summed over draws
+    sums: dict[tuple[int, int], torch.Tensor] = {}  # (layer, gap) -> [2, kv heads]: copy_mass and induction, summed over draws
 
     def probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """sdpa's output; on the side, the second copy's attention on the first copy and on its source keys."""

@@ -68,6 +68,11 @@ if (here / "decay.jsonl").exists():
     print("|---|---|---|---|---|---|")
     for r in map(json.loads, open(here / "decay.jsonl")):
         print(f"| {r['variant']} | {recall_cells(r)}")
+def heads(xs: list[float]) -> str:
+    """One figure per kv head."""
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
 if (here / "copy_budget.jsonl").exists():
     layers = [json.loads(line) for line in open(here / "copy_layers.jsonl")]
     print()
@@ -75,7 +80,6 @@ if (here / "copy_budget.jsonl").exists():
     print("|---|---|---|")
     for m in layers:
         if m["induction_score"] >= 0.01:
-            heads = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
             print(f"| {m['layer']} | {heads(m['copy_mass@512'])} / {heads(m['copy_mass@3584'])} | {heads(m['induction@512'])} / {heads(m['induction@3584'])} |")
     print()
     print("| memory per layer (sum 7,680 per kv head) | sizes | ppl @4k | × uniform 256 | copy @512 | copy @3,584 | minutes |")

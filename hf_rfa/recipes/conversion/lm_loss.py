@@ -70,9 +70,13 @@ def supports_chunked_loss(lm: nn.Module) -> bool:
     return getattr(lm, "loss_function", None) is ForCausalLMLoss
 
 
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 (losses are never taken in half precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _wide(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32, or float64 when it is float64 (losses are never taken in half precision)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(_loss_dtype(x.dtype))
 
 
 def _chunk_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -97,7 +101,7 @@ def _chunked_sum(fn, head: nn.Module, chunk: int | None, hidden: torch.Tensor, *
     positions (default: :func:`loss_chunk`), each under activation checkpointing, in float32 (float64
     for a float64 model)."""
     chunk = chunk or loss_chunk(head.weight.shape[0], hidden.shape[0])
-    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    total = hidden.new_zeros((), dtype=_loss_dtype(hidden.dtype))
     for i in range(0, hidden.shape[1], chunk):
         part = slice(i, i + chunk)
         total = total + checkpoint(fn, head, hidden[:, part], *(t[:, part] for t in per_position), use_reentrant=False)
