@@ -66,7 +66,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         "then an exact memory of 256 keys chosen by feature error",
         _frozen(feature_map="hedgehog", num_features=64, window=_WINDOW, sinks=_SINKS, decay=128.0, feature_input="unrotated",
                 memory_score="feature_error", feature_map_options=_frozen(hybrid_mix=True)),
-        _frozen(transfer_tokens=131072, transfer_query_blocks=4, **_CAUSAL_BUDGET),
+        _frozen(transfer_tokens=131072, transfer_query_blocks=4, memory_split="induction", **_CAUSAL_BUDGET),
     ),
     "window-only": Preset(
         "window-only",

@@ -440,6 +440,29 @@ def test_memory_after_training_rows_and_published_model(tiny_dir, tmp_path):
         pipeline.ConversionConfig(model="x", memory_after_training=-1)
 
 
+def test_memory_split_by_induction_in_the_recipe_and_its_baseline(tiny_dir, tmp_path):
+    """``memory_split="induction"``: the same total of memory keys split over the layers by the
+    original's induction share (measured before conversion, in the report), used by the window-only
+    baseline and by the published recipe alike."""
+    cfg = pipeline.ConversionConfig(
+        model=tiny_dir["llama"], output=str(tmp_path / "out"),
+        rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, feature_input="unrotated", memory_score="feature_error", memory_every=8),
+        transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
+        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, memory_after_training=3,
+        memory_split="induction", memory_floor=1, evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
+    )
+    rep = pipeline.run(cfg)
+    split = rep["memory_split"]
+    assert sum(split["sizes"]) == 3 * 2 and min(split["sizes"]) >= 1 and split["gaps"] == [8]
+    assert len(split["induction"]) == 2 and all(len(h) == 2 and all(0 < x < 1 for x in h) for h in split["induction"])
+    names = [r["variant"] for r in rep["rows"]]
+    assert "window-only: window 4 + sinks 1 + memory 3 by layer (value_norm), no features, after LoRA" in names
+    assert names[-1].endswith("after transfer + LoRA + memory 3 by layer (feature_error)") and rep["final_variant"] == names[-1]
+    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
+    assert hf_rfa.rfa_config_of(model).memory_per_layer == split["sizes"]
+    assert [layer.self_attn.rfa.memory for layer in model.model.layers] == split["sizes"]
+
+
 def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, monkeypatch, caplog, capsys):
     """Without matplotlib the plot is skipped with one warning (checked before any stage); a failed
     --push-to-hub keeps the folder, prints the table and says how to upload."""

@@ -53,6 +53,8 @@ class ConversionConfig:
     passkey_lengths: list[int] = field(default_factory=list, metadata={"help": "long range: passkey retrieval at these prompt lengths, original and trained variants (empty: skip)"})
     passkey_trials: int = field(default=20, metadata={"help": "long range: seeded passkey trials per (length, depth)"})
     memory_after_training: int = field(default=0, metadata={"help": "causal: after training, also evaluate (and publish) the recipe with an exact memory of this many keys per kv head ranked by rfa.memory_score (hf_rfa.set_memory; trained without it: it has no parameters), next to the window-only baseline after its LoRA with the same memory ranked by ||v|| (0: off)"})
+    memory_split: str = field(default="uniform", metadata={"help": "causal: how memory_after_training is split over the layers — uniform (the same in every layer) or induction (the same total; memory_floor keys per layer and the rest in proportion to the original's attention on the induction source in copy sequences of the calibration text), for the recipe and its window-only baseline alike"})
+    memory_floor: int = field(default=160, metadata={"help": "memory_split=induction: keys per kv head that every layer keeps (at most memory_after_training)"})
     batch_size: int = field(default=1, metadata={"help": "sequences per step of transfer and LoRA (causal LMs)"})
     transfer_queries: int | None = field(default=256, metadata={"help": "causal: fit the last Q queries of each sequence (0 or None: all)"})
     transfer_lr: float = field(default=1e-2, metadata={"help": "learning rate of attention transfer"})
@@ -151,6 +153,9 @@ class ConversionConfig:
             if not issubclass(feature_map_class(self.rfa.feature_map), RandomProjectionMap):
                 raise ValueError(f"learnable_projections needs a random-projection feature map, got feature_map={self.rfa.feature_map!r}")
         RFAConfig(feature_map=self.random_feature_map, num_features=self.random_num_features)
+        from .memory_split import check_memory_split
+
+        check_memory_split(self.memory_split, self.memory_floor, self.memory_after_training)
         if self.memory_after_training:
             if self.rfa.memory:
                 raise ValueError(f"memory_after_training={self.memory_after_training} needs rfa.memory=0 (the recipe already trains with memory={self.rfa.memory})")

@@ -19,10 +19,10 @@ import torch
 
 from .. import evaluation
 from ..intervals import paired_ratio_ci
-from . import calibration, devices, layerwise, transfer
+from . import calibration, devices, layerwise, memory_split, transfer
 from .lora import target_weights
 from ...config import RFAConfig
-from ...hf.convert import convert, set_memory
+from ...hf.convert import convert
 from ...hf.rope import clamp_memory_distance
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER
 from .host_memory import measure_peak_rss, release_free_memory
@@ -154,8 +154,8 @@ def window_only_baseline(s: State) -> None:
     s.baseline = f"{label}, after LoRA"
     evaluate(s, s.baseline, res.as_dict(), passkey=True)
     if cfg.memory_after_training:  # the same exact memory, switched on after the same LoRA (no features: ranked by ||v||)
-        set_memory(s.model, cfg.memory_after_training, cfg.rfa.memory_every, "value_norm")
-        s.baseline = f"window-only: window {window} + sinks {sinks} + memory {cfg.memory_after_training} (value_norm), no features, after LoRA"
+        memory_split.switch_on_memory(s, "value_norm")  # the recipe's per-layer sizes (memory_split): the same decode state
+        s.baseline = f"window-only: window {window} + sinks {sinks} + {memory_split.memory_label(s, 'value_norm')}, no features, after LoRA"
         evaluate(s, s.baseline, res.as_dict(), passkey=True)
     s.restore()
     for w in cfg.baseline_windows:  # e.g. the equal-decode-state window: trained rows only (causal)
@@ -275,7 +275,7 @@ def add_memory(s: State) -> bool:
     """Causal LMs with ``memory_after_training``: switch the exact memory on (it has no parameters)."""
     if not (s.cfg.memory_after_training and s.kind == CAUSAL_LM):
         return False
-    set_memory(s.model, s.cfg.memory_after_training, s.cfg.rfa.memory_every, s.cfg.rfa.memory_score)
+    memory_split.switch_on_memory(s, s.cfg.rfa.memory_score)
     clamp_memory_distance(s.model)  # read past its trained positions, memory keys count as the farthest trained distance
     return True
 
@@ -290,7 +290,7 @@ def lora(s: State) -> None:
         s.final = f"{s.label}, after transfer + LoRA" if "transfer" in s.stages else f"{s.label}, after LoRA"
         evaluate(s, s.final, stage, passkey=True)
     if add_memory(s):  # published with the exact memory
-        s.final = f"{s.final} + memory {s.cfg.memory_after_training} ({s.cfg.rfa.memory_score})"
+        s.final = f"{s.final} + {memory_split.memory_label(s, s.cfg.rfa.memory_score)}"
         evaluate(s, s.final, stage or s.stages.get("transfer"), passkey=True)
 
 
@@ -372,7 +372,7 @@ _ENCODER: list[Stage] = [load_sentences, embed_original, random_baselines, windo
 #: the stages of a run, in order, per model kind
 STAGES: dict[str, list[Stage]] = {
     CAUSAL_LM: [
-        load_texts, evaluate_original, random_baselines, window_only_baseline, convert_target, init_mixing,
+        load_texts, evaluate_original, memory_split.measure_split, random_baselines, window_only_baseline, convert_target, init_mixing,
         evaluate_untrained, attention_transfer, lora, causal_metrics, generation_sample,
     ],
     ENCODER: _ENCODER,
