@@ -14,8 +14,10 @@
 3. does the same for the **window-only baseline** (``--window-only-baseline``; ``feature_map="none"``: the
    same window and sinks, every other key dropped, its own LoRA with the same budget), the strongest
    trivial baseline;
-4. switches on an **exact memory** of 256 keys per kv head after training (``--memory-after-training
-   256``, :func:`hf_rfa.set_memory`; it has no parameters): in the recipe the features choose it —
+4. switches on an **exact memory** of 256 keys per kv head on average after training (``--memory-after-training
+   256``, :func:`hf_rfa.set_memory`; it has no parameters), split over the layers as 160 keys each
+   and the rest by the original's induction share on calibration copy sequences (``--memory-split
+   induction``, measured before conversion; 996 keys in layer 18). In the recipe the features choose it —
    the keys whose value the feature state recalls worst (``--memory-score feature_error``) — in the
    window-only baseline (no features) the keys with the largest ‖v‖; both are evaluated again and the
    published model keeps its memory. (The equal-decode-state window-only 128 baseline is left out

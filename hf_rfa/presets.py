@@ -9,7 +9,8 @@ command starts from both (explicit flags override), :func:`hf_rfa.linearize` run
 
     recall        rotary causal LMs (the recommended preset, the commands' default): Hedgehog m=64 on
                   q/k before the rotary embedding, learned decay, exact window 64 + 4 sinks, then an
-                  exact memory of 256 keys per kv head chosen by feature error (``make main``)
+                  exact memory of 256 keys per kv head on average chosen by feature error, split over
+                  the layers by the original's induction share (``make main``)
     window-only   the strongest trivial baseline: the same window and sinks, no features, memory by ‖v‖
     encoder       BERT-style encoders (all-MiniLM-L6-v2): Hedgehog m=32 + window 8 + 1 sink,
                   attention transfer on packed 512-token passages

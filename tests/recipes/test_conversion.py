@@ -449,11 +449,11 @@ def test_memory_split_by_induction_in_the_recipe_and_its_baseline(tiny_dir, tmp_
         rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, feature_input="unrotated", memory_score="feature_error", memory_every=8),
         transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
         calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, memory_after_training=3,
-        memory_split="induction", memory_floor=1, evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
+        memory_split="induction", memory_floor=0.34, evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
     )
     rep = pipeline.run(cfg)
     split = rep["memory_split"]
-    assert sum(split["sizes"]) == 3 * 2 and min(split["sizes"]) >= 1 and split["gaps"] == [8]
+    assert sum(split["sizes"]) == 3 * 2 and min(split["sizes"]) >= 1 == split["floor"] and split["gaps"] == [8]
     assert len(split["induction"]) == 2 and all(len(h) == 2 and all(0 < x < 1 for x in h) for h in split["induction"])
     names = [r["variant"] for r in rep["rows"]]
     assert "window-only: window 4 + sinks 1 + memory 3 by layer (value_norm), no features, after LoRA" in names

@@ -7,7 +7,7 @@ import torch
 
 from hf_rfa.recipes import long_range
 from hf_rfa.recipes.conversion.config import ConversionConfig
-from hf_rfa.recipes.conversion.memory_split import MEMORY_SPLITS, induction_shares, split_budget
+from hf_rfa.recipes.conversion.memory_split import MEMORY_SPLITS, floor_keys, induction_shares, split_budget
 from tiny_models import tiny_model
 
 
@@ -15,6 +15,7 @@ def test_split_budget_keeps_the_total_and_the_floor():
     # 18 keys beyond the floor: 0 / 9 / 4.5 / 4.5, the one left over to the first largest remainder
     assert split_budget(30, [0.0, 0.5, 0.25, 0.25], floor=3) == [3, 12, 8, 7]
     assert split_budget(10, [1.0, 1.0, 1.0]) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+    assert floor_keys(0.625, 256) == 160 and floor_keys(0.625, 3) == 2 and floor_keys(0.0, 256) == 0
     assert split_budget(9, [0.0, 0.0, 0.0], floor=1) == [3, 3, 3]  # no share anywhere: evenly
     assert split_budget(12, [0.7, 0.2, 0.1], floor=4) == [4, 4, 4]  # the floor takes everything
     with pytest.raises(ValueError, match="memory_floor=5 x 3 layers exceeds the total of 12"):
@@ -60,8 +61,8 @@ def test_induction_shares_equal_eager_attention_probabilities():
 def test_config_checks_name_the_bad_value():
     with pytest.raises(ValueError, match=r"memory_split must be one of \['uniform', 'induction'\], got 'copy'"):
         ConversionConfig(model="x", memory_split="copy", memory_after_training=8)
-    with pytest.raises(ValueError, match=r"memory_floor must be an int in \[0, memory_after_training=8\], got 9"):
-        ConversionConfig(model="x", memory_split="induction", memory_after_training=8, memory_floor=9)
+    with pytest.raises(ValueError, match=r"memory_floor must be a share of memory_after_training in \[0, 1\] \(0.625: 160 of 256 keys\), got 1.5"):
+        ConversionConfig(model="x", memory_split="induction", memory_after_training=8, memory_floor=1.5)
     with pytest.raises(ValueError, match="memory_floor"):
         ConversionConfig(model="x", memory_floor=-1)
     ConversionConfig(model="x", memory_split="induction", memory_after_training=0)  # no memory: nothing to split

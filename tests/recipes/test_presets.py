@@ -38,7 +38,8 @@ def test_presets_name_their_config_and_budgets():
     assert recall.feature_map_options == {"hybrid_mix": True}
     assert dict(PRESETS["recall"].training) == {"transfer_tokens": 131072, "transfer_query_blocks": 4, "context": 1024,
                                                 "lora_tokens": 65536, "lora_lr": 3e-4, "lora_context": 4096,
-                                                "memory_after_training": 256}
+                                                "memory_after_training": 256, "memory_split": "induction"}
+    assert "memory_split" not in PRESETS["window-only"].training  # its own memory stays uniform when it is the run's recipe
     wo = hf_rfa.RFAConfig.from_preset("window-only")
     assert (wo.feature_map, wo.window, wo.sinks, wo.memory_score) == ("none", 64, 4, "value_norm")
     assert PRESETS["window-only"].training["memory_after_training"] == 256

@@ -1,5 +1,7 @@
 """``hf_rfa.linearize``: what ``hf-rfa-convert`` does to the model, in one Python call, without the
-evaluation and the export: convert → (init mixing) → attention transfer → LoRA → exact memory.
+evaluation and the export: (memory split) → convert → (init mixing) → attention transfer → LoRA →
+exact memory. The memory split (``memory_split="induction"``) is measured on ``train_texts``, where
+the command measures it on its calibration text.
 
 It runs the conversion stages' own training steps (:func:`.stages.convert_target`,
 :func:`.stages.init_mixing`, :func:`.stages.train_transfer`, :func:`.stages.train_lora`,
@@ -25,7 +27,7 @@ from ...presets import DEFAULT_PRESET
 from .config import ConversionConfig
 from .loading import CAUSAL_LM, kind_of, load_model
 from .state import State
-from . import stages
+from . import memory_split, stages
 from ..._logging import error_line
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,8 @@ def linearize(
         preset: a name from :func:`hf_rfa.available_presets` (its settings and training budgets).
         train_texts: training text: a source as ``--train-text`` takes (a file, ``wikipedia:train``,
             ``name[:config]:split``) or a list of texts (causal LMs: joined by newlines). Needed
-            unless the budgets are 0 (``transfer_tokens=0, lora_tokens=0``).
+            unless the budgets are 0 (``transfer_tokens=0, lora_tokens=0``) and the memory is not
+            split by measurement (``memory_split="uniform"`` or ``memory_after_training=0``).
         tokenizer: the model's tokenizer (default: loaded from the model's name).
         progress: progress bars of the training stages on stderr, as the command shows them (the
             recall preset trains for minutes); ``False`` for none.
@@ -120,6 +123,12 @@ def linearize(
     cfg = _config(preset, name, {"progress": progress, **settings})
     torch.manual_seed(cfg.seed)  # as the command's run: LoRA initialises from the global generator
     s = State(cfg=cfg, model=m, tok=tok, kind=kind, report={"rows": [], "stages": {}})
+    if cfg.memory_split != "uniform" and cfg.memory_after_training > 0 and kind == CAUSAL_LM:  # measured on the original
+        if train_texts is None:
+            raise ValueError(f"memory_split={cfg.memory_split!r} measures the original model on text: give train_texts (or memory_split='uniform')")
+        _train_data(s, train_texts)
+        s.ids["calibration"] = s.ids["train"]  # the command measures on its calibration text
+        memory_split.measure_split(s)
     stages.convert_target(s)
     # the command fits the mixing weights and trains whatever has a budget: both read the training text
     if stages._trainable(s) or (kind == CAUSAL_LM and cfg.lora_tokens > 0):
@@ -127,7 +136,8 @@ def linearize(
             raise ValueError(
                 f"preset {preset!r} trains {s.label} (transfer_tokens={cfg.transfer_tokens}, lora_tokens={cfg.lora_tokens}): give "
                 "train_texts (or use hf_rfa.convert(model, hf_rfa.RFAConfig.from_preset(...)) for the untrained model)")
-        _train_data(s, train_texts)
+        if s.train_stream is None:
+            _train_data(s, train_texts)
         stages.init_mixing(s)
         stages.train_transfer(s)
         stages.train_lora(s)

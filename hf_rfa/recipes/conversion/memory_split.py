@@ -2,7 +2,7 @@
 
 ``"uniform"``: every layer keeps ``memory_after_training`` keys per kv head. ``"induction"``: the
 same total of keys (``memory_after_training`` × layers per kv head), split by where the
-*original* model copies: ``memory_floor`` keys in every layer, the rest in proportion to each
+*original* model copies: a share ``memory_floor`` of ``memory_after_training`` in every layer, the rest in proportion to each
 layer's induction share — on copy sequences of the calibration text (a passage, other text, the
 same passage again; :func:`hf_rfa.recipes.long_range.copy_sequences`), the softmax probability that
 the second copy's queries give the key after the earlier occurrence of their token (the source
@@ -39,13 +39,18 @@ DEFAULT_GAPS = (512, 3584)
 _PROBE = "hf_rfa_induction_probe"
 
 
-def check_memory_split(split: str, floor: int, memory_after_training: int) -> None:
+def check_memory_split(split: str, floor: float, memory_after_training: int) -> None:
     """ValueError naming the bad value and the allowed ones (a split of no memory,
     ``memory_after_training=0``, is allowed and does nothing)."""
     if split not in MEMORY_SPLITS:
         raise ValueError(f"memory_split must be one of {list(MEMORY_SPLITS)}, got {split!r}")
-    if not isinstance(floor, int) or isinstance(floor, bool) or floor < 0 or (split != "uniform" and 0 < memory_after_training < floor):
-        raise ValueError(f"memory_floor must be an int in [0, memory_after_training={memory_after_training}], got {floor!r}")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor <= 1:
+        raise ValueError(f"memory_floor must be a share of memory_after_training in [0, 1] (0.625: 160 of 256 keys), got {floor!r}")
+
+
+def floor_keys(share: float, memory: int) -> int:
+    """The keys every layer keeps: ``share`` (``memory_floor``) of ``memory``, rounded."""
+    return int(round(share * memory))
 
 
 def split_budget(total: int, scores: list[float], floor: int = 0) -> list[int]:
@@ -116,10 +121,11 @@ def measure_split(s) -> None:
     gaps = [g for g in (cfg.copy_gaps or DEFAULT_GAPS) if 2 * passage + g <= room] or [max(0, room - 2 * passage)]
     shares = induction_shares(s.model, ids, gaps, passage=passage, skip=min(SKIP, passage // 4), seed=cfg.seed + 1, progress=cfg.progress)
     scores = [sum(head) / len(head) for head in shares]
-    sizes = split_budget(cfg.memory_after_training * len(scores), scores, cfg.memory_floor)
-    s.report["memory_split"] = {"split": cfg.memory_split, "floor": cfg.memory_floor, "sizes": sizes, "induction": [[round(x, 4) for x in head] for head in shares],
+    floor = floor_keys(cfg.memory_floor, cfg.memory_after_training)
+    sizes = split_budget(cfg.memory_after_training * len(scores), scores, floor)
+    s.report["memory_split"] = {"split": cfg.memory_split, "floor": floor, "sizes": sizes, "induction": [[round(x, 4) for x in head] for head in shares],
                                 "text": "calibration", "passage": passage, "gaps": gaps, "draws": DRAWS}
-    logger.info("exact memory split by the original's induction share (floor %d): %s keys per kv head", cfg.memory_floor, sizes)
+    logger.info("exact memory split by the original's induction share (floor %d): %s keys per kv head", floor, sizes)
 
 
 def memory_sizes(s) -> list[int] | None:
@@ -137,4 +143,4 @@ def switch_on_memory(s, memory_score: str) -> None:
     set_memory(s.model, s.cfg.memory_after_training, s.cfg.rfa.memory_every, memory_score, per_layer=memory_sizes(s))
 
 
-__all__ = ["DEFAULT_GAPS", "MEMORY_SPLITS", "check_memory_split", "induction_shares", "measure_split", "memory_label", "memory_sizes", "split_budget", "switch_on_memory"]
+__all__ = ["DEFAULT_GAPS", "MEMORY_SPLITS", "check_memory_split", "floor_keys", "induction_shares", "measure_split", "memory_label", "memory_sizes", "split_budget", "switch_on_memory"]
