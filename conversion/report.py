@@ -277,7 +277,9 @@ def render(specs: list[str], note: str = "", command: str | None = None) -> str:
         if "generation" in rep:
             g = rep["generation"]
             out.append(f"- greedy generation after {g['prompt']!r}: {g['text']!r}")
-        out.append(f"- wall time of the whole run: {rep.get('minutes_total', float('nan')):.1f} min")
+        m = rep.get("machine")  # reports of older runs do not name it
+        where = f" ({m.get('gpu') or m['cpu']}, {m['threads']} threads)" if m else ""
+        out.append(f"- wall time of the whole run: {rep.get('minutes_total', float('nan')):.1f} min{where}")
         out += ["", "```", rep.get("command") or command_of(cfg), "```", ""]
     return "\n".join(out)
 

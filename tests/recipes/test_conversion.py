@@ -246,8 +246,11 @@ def test_report_regenerates_from_committed_runs(tmp_path, monkeypatch):
         report.docs_page(str(tmp_path))
     # the published run's baseline is the same-memory window-only model after its own LoRA
     _, recall = report.load_run(os.path.join(ROOT, "conversion", "results", "runs", "smollm2-recall_v0.2.0.json"))
-    assert report.baseline_variant(recall) == "window-only: window 64 + sinks 4 + memory 256 (value_norm), no features, after LoRA"
+    assert report.baseline_variant(recall) == "window-only: window 64 + sinks 4 + memory 256 by layer (value_norm), no features, after LoRA"
     assert "```\nmake main" in text  # make main, or make main ARGS=... (display flags such as --no-progress)
+    (tmp_path / "named").mkdir()
+    (tmp_path / "named" / "report.json").write_text(json.dumps({**recall, "machine": {"cpu": "Some CPU", "threads": 2}}))
+    assert f"- wall time of the whole run: {recall['minutes_total']:.1f} min (Some CPU, 2 threads)\n" in report.render([str(tmp_path / "named")])
     # reports without "baseline_variant": the last window-only row with the run's own window and sinks
     old = {"config": {"rfa": {"window": 64, "sinks": 4}}, "rows": [
         {"variant": "window-only: window 64 + sinks 4, no features, after LoRA"},
@@ -452,6 +455,7 @@ def test_memory_split_by_induction_in_the_recipe_and_its_baseline(tiny_dir, tmp_
         memory_split="induction", memory_floor=0.34, evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
     )
     rep = pipeline.run(cfg)
+    assert rep["machine"]["cpu"] and rep["machine"]["threads"] >= 1 and "gpu" not in rep["machine"]  # where the figures were measured
     split = rep["memory_split"]
     assert sum(split["sizes"]) == 3 * 2 and min(split["sizes"]) >= 1 == split["floor"] and split["gaps"] == [8]
     assert len(split["induction"]) == 2 and all(len(h) == 2 and all(0 < x < 1 for x in h) for h in split["induction"])

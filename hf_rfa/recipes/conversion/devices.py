@@ -43,6 +43,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def machine(device: torch.device | str | None) -> dict[str, Any]:
+    """Where a run's figures were measured (``report.json``'s ``machine``): the CPU's model name
+    (``/proc/cpuinfo``, else ``platform.processor()``), torch's threads and, on CUDA, the GPU."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    out: dict[str, Any] = {"cpu": cpu, "threads": torch.get_num_threads()}
+    device = torch.device(default_device() if device in (None, "auto") else device)
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
+
+
 def check_device(value: str | None, available: bool = True) -> torch.device:
     """The torch device for ``value`` (None or ``auto``: :func:`default_device`); ``available=False``
     accepts a device this machine lacks (a ``--dry-run`` plans for a GPU it does not have)."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ... import output_dir
-from . import calibration, checks, distributed, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
+from . import calibration, checks, devices, distributed, transfer  # noqa: F401 - transfer: tests patch pipeline.transfer.attention_transfer
 from .config import ConversionConfig
 from .devices import default_device
 from .loading import CAUSAL_LM, CLASSIFIER, ENCODER, kind_of, load_model, resolve_checkpoint
@@ -140,7 +140,7 @@ def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
         model, tok, kind = load_model(
             cfg.model, cfg.torch_dtype, device, device_map=cfg.device_map, attn_implementation=cfg.teacher_attn_implementation,
         )
-    report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}}
+    report: dict[str, Any] = {"model": cfg.model, "kind": kind, "config": cfg.to_dict(), "rows": [], "stages": {}, "machine": devices.machine(device)}
     memory = report["memory"] = {"peak_rss_bytes": {"load": load_peak[0]} if load_peak[0] is not None else {}}
     memory["malloc_mmap_threshold_mib"] = cfg.malloc_mmap_threshold if mapped else None
     if planned is not None:  # the plan next to what each stage measured
