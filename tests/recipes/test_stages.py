@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_stage_lists_read_top_to_bottom():
     names = {kind: [f.__name__ for f in stages.STAGES[kind]] for kind in (CAUSAL_LM, ENCODER, CLASSIFIER)}
     assert names[CAUSAL_LM] == [
-        "load_texts", "evaluate_original", "random_baselines", "window_only_baseline", "convert_target", "init_mixing",
+        "load_texts", "evaluate_original", "measure_split", "random_baselines", "window_only_baseline", "convert_target", "init_mixing",
         "evaluate_untrained", "attention_transfer", "lora", "causal_metrics", "generation_sample",
     ]
     assert names[ENCODER] == names[CLASSIFIER] == [
