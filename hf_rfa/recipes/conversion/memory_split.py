@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import long_range
 from ...hf.convert import set_memory
+from .devices import input_device
 from .loading import CAUSAL_LM
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def induction_shares(model, ids: torch.Tensor, gaps: list[int], passage: int = P
     AttentionInterface.register(_PROBE, probe)
     before = model.config._attn_implementation
     model.set_attn_implementation(_PROBE)
-    device = next(model.parameters()).device
+    device = input_device(model)
     try:
         bar = tqdm(total=len(gaps) * draws, desc="memory split (induction)", disable=not progress)
         for gap in gaps:
