@@ -64,7 +64,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
     "recall": Preset(
         "recall",
         "rotary causal LMs (recommended): Hedgehog m=64 on un-rotated q/k + decay 128 + window 64 + 4 sinks, "
-        "then an exact memory of 256 keys chosen by feature error",
+        "then an exact memory of 256 keys per kv head on average, chosen by feature error and split over the layers by the original's induction share",
         _frozen(feature_map="hedgehog", num_features=64, window=_WINDOW, sinks=_SINKS, decay=128.0, feature_input="unrotated",
                 memory_score="feature_error", feature_map_options=_frozen(hybrid_mix=True)),
         _frozen(transfer_tokens=131072, transfer_query_blocks=4, memory_split="induction", **_CAUSAL_BUDGET),
