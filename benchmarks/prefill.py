@@ -32,6 +32,17 @@ def time_forward(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="causal LM folder or Hub id (default: the offline SmolLM2-135M-Instruct)")
@@ -47,6 +58,7 @@ def main(argv=None) -> None:
     p.add_argument("--feature-input", default="rotated", help="rotated | unrotated (the main job's recipe: unrotated)")
     p.add_argument("--memory", type=int, default=0, help="exact memory keys per kv head (0: none)")
     p.add_argument("--memory-score", default="value_norm", help="value_norm | feature_error (the main job's: feature_error with --memory 128)")
+    p.add_argument("--memory-per-layer", default=None, help="comma-separated memory size per layer (RFAConfig.memory_per_layer; e.g. the published model's split), overrides --memory layer by layer")
     p.add_argument("--out", default=None, help="also write the Markdown table here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -58,7 +70,8 @@ def main(argv=None) -> None:
 
     model, tok, _ = load_model(a.model or str(assets.smollm2_path()))
     cfg = hf_rfa.RFAConfig(feature_map=a.feature_map, num_features=a.num_features, window=a.window, sinks=a.sinks, decay=a.decay, feature_input=a.feature_input,
-                            memory=a.memory, memory_score=a.memory_score)
+                            memory=a.memory, memory_score=a.memory_score,
+                            memory_per_layer=[int(x) for x in a.memory_per_layer.split(",")] if a.memory_per_layer else None)
     converted = hf_rfa.convert(copy.deepcopy(model), cfg).eval()
     ids = evaluation.tokenize(tok, evaluation.load_text(str(assets.wikipedia_text_file("eval"))))
     rows = []
@@ -79,10 +92,12 @@ def main(argv=None) -> None:
         f"({a.feature_map} m={a.num_features} + window {a.window} + {a.sinks} sinks"
         + (f", decay {a.decay:g}" if a.decay else "") + (", un-rotated q/k" if a.feature_input == "unrotated" else "")
         + (f", exact memory {a.memory} ({a.memory_score})" if a.memory else "")
-        + f"); {a.threads} threads, median of {a.reps} interleaved runs. `python benchmarks/prefill.py --n {' '.join(map(str, a.n))} "
+        + (f", per layer {a.memory_per_layer}" if a.memory_per_layer else "")
+        + f"); {cpu_name()}, {a.threads} threads, median of {a.reps} interleaved runs. `python benchmarks/prefill.py --n {' '.join(map(str, a.n))} "
         f"--reps {a.reps} --threads {a.threads} --feature-map {a.feature_map} --num-features {a.num_features} --window {a.window} "
         f"--sinks {a.sinks} --decay {a.decay:g} --feature-input {a.feature_input}"
-        + (f" --memory {a.memory} --memory-score {a.memory_score}" if a.memory else "") + "`",
+        + (f" --memory {a.memory} --memory-score {a.memory_score}" if a.memory else "")
+        + (f" --memory-per-layer {a.memory_per_layer}" if a.memory_per_layer else "") + "`",
         "", "| N | original s | converted s | speed-up |", "|---|---|---|---|",
     ] + [f"| {r['n']} | {r['original']:.1f} | {r['converted']:.1f} | {r['speedup']:.2f}× |" for r in rows]
     lines += ["", f"Goal: ≥ {a.goal}× at N={rows[-1]['n']}: " + ("MET" if met else "NOT met") + f" ({rows[-1]['speedup']:.2f}×)."]
