@@ -19,9 +19,14 @@ import copy
 import json
 import logging
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from downstream_table import cpu_name  # noqa: E402 - the sibling script's (lscpu's model name)
 
 
 def time_forward(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -32,16 +37,6 @@ def time_forward(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
-    except OSError:
-        return platform.processor()
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -31,22 +31,9 @@ from transformers import AttentionInterface
 from hf_rfa import assets
 from hf_rfa.recipes import evaluation, long_range
 from hf_rfa.recipes.conversion.loading import load_model
+from hf_rfa.recipes.conversion.memory_split import split_budget
 
 logger = logging.getLogger("research.copy_layers")
-
-
-def split_budget(total: int, scores: list[float], floor: int = 0) -> list[int]:
-    """``floor`` keys per layer and the rest of ``total`` in proportion to ``scores`` (largest
-    remainder, so the sizes sum to ``total`` exactly)."""
-    if floor * len(scores) > total:
-        raise ValueError(f"floor {floor} x {len(scores)} layers exceeds the total of {total} keys")
-    rest = total - floor * len(scores)
-    s = sum(scores)
-    raw = [rest * x / s for x in scores]
-    sizes = [int(r) for r in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - sizes[i], reverse=True)[: rest - sum(sizes)]:
-        sizes[i] += 1
-    return [floor + x for x in sizes]
 
 
 def main() -> None:

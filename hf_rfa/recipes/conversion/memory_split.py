@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import long_range
 from ...hf.convert import set_memory
+from .checks import _positions
 from .devices import input_device
 from .loading import CAUSAL_LM
 
@@ -114,8 +115,7 @@ def measure_split(s) -> None:
     cfg = s.cfg
     if cfg.memory_split == "uniform" or not cfg.memory_after_training or s.kind != CAUSAL_LM:
         return
-    c = s.model.config
-    limit = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 1 << 30
+    limit = _positions(s.model) or 1 << 30
     ids = s.ids["calibration"]
     room = min(limit, ids.numel() // 2)  # copy_sequences draws passages and gaps from disjoint halves
     passage = max(2, min(PASSAGE, room // 4))
