@@ -49,6 +49,11 @@ VARIANTS = {
     "window-only W=64 S=4 memory=128": dict(feature_map="none", window=64, sinks=4, memory=128, memory_every=64),
     "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=256 feature_error": {**RECALL, "memory": 256, "memory_every": 64},
     "window-only W=64 S=4 memory=256": dict(feature_map="none", window=64, sinks=4, memory=256, memory_every=64),
+    # the same 324 exact keys per query moved from the memory to the window (research/window_vs_memory/
+    # window_memory.py), and the equal-state window-only W320 baseline
+    "rfa hedgehog m=64 W=192 S=4 decay=128 unrotated memory=128 feature_error": {**RECALL, "window": 192, "memory": 128, "memory_every": 64},
+    "rfa hedgehog m=64 W=320 S=4 decay=128 unrotated": {**RECALL, "window": 320},
+    "window-only W=320 S=4": dict(feature_map="none", window=320, sinks=4),
 }
 
 
@@ -81,6 +86,28 @@ def cache_bytes(cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.keys is not None)
 
 
+#: how state_parts groups a layer state's tensors (the rest is bookkeeping: positions, flags, scores)
+PARTS = {
+    "exact keys and values": ("win_k", "win_v", "sink_k", "sink_v", "mem_k", "mem_v"),
+    "un-rotated key copies": ("win_kf", "mem_kf"),
+    "feature state": ("linear.S", "linear.z"),
+}
+
+
+def state_parts(cache) -> dict[str, int]:
+    """An RFACache's bytes by part (:data:`PARTS`, ``bookkeeping``, ``rotary ring``), summed over
+    its layers; {} for another cache."""
+    if not isinstance(cache, hf_rfa.RFACache):
+        return {}
+    out = dict.fromkeys([*PARTS, "bookkeeping", "rotary ring"], 0)
+    part_of = {name: part for part, names in PARTS.items() for name in names}
+    for layer in cache.layers:
+        for name, t in (layer.state.tensors().items() if layer.state is not None else ()):
+            out[part_of.get(name, "bookkeeping")] += t.numel() * t.element_size()
+    out["rotary ring"] = cache.nbytes() - sum(out.values())
+    return out
+
+
 @torch.inference_mode()
 def prefill(model, ids: torch.Tensor, chunk: int):
     from transformers import DynamicCache
@@ -108,7 +135,7 @@ def measure(models: dict, context: int, steps: int, chunk: int) -> dict:
             times.append(time.perf_counter() - t0)
             state[name][1] = out.logits[:, -1].argmax(-1, keepdim=True)
     return {
-        name: dict(ms=1e3 * statistics.median(times[2:]), bytes=cache_bytes(cache), prefill_s=secs)
+        name: dict(ms=1e3 * statistics.median(times[2:]), bytes=cache_bytes(cache), prefill_s=secs, parts=state_parts(cache))
         for name, (cache, _, times, secs) in state.items()
     }
 
@@ -139,6 +166,13 @@ def report(results: dict, args) -> str:
         lr = results[hi][n]["ms"] / results[lo][n]["ms"]
         br = results[hi][n]["bytes"] / max(results[lo][n]["bytes"], 1)
         lines.append(f"| {n} | {lr:.2f}× | {br:.2f}× |")
+    parts = {n: results[hi][n]["parts"] for n in names if results[hi][n]["parts"]}
+    if parts:
+        cols = list(next(iter(parts.values())))
+        lines += ["", f"Cache KiB by part at context {hi} (all layers; bookkeeping: positions, flags, scores):", "",
+                  "| model | " + " | ".join(cols) + " | total |", "|---|" + "---:|" * (len(cols) + 1)]
+        for n, pr in parts.items():
+            lines.append(f"| {n} | " + " | ".join(f"{pr[c] / 1024:.1f}" for c in cols) + f" | {sum(pr.values()) / 1024:.1f} |")
     base = names[0]
     lines += ["", f"Speed-up of RFA over softmax per context:", "", "| context | " + " | ".join(names[1:]) + " |",
               "|---:|" + "---:|" * (len(names) - 1)]

@@ -34,3 +34,28 @@ def test_split_rows_carry_the_ratios_grid_table_computes():
         splits.load(f"x={KEPT}#nobody")
     with pytest.raises(ValueError, match="none of the labels"):
         splits.render(rows, "other")
+
+
+def test_induction_split_sizes_and_table(tmp_path):
+    """research/window_vs_memory/induction_split.py: sizes keep 320 exact keys per kv head on
+    average with the floor in every layer; the table pairs each row with the grid's W320."""
+    split = _module(ROOT / "research" / "window_vs_memory" / "induction_split.py")
+    model = tmp_path / "model"
+    model.mkdir()
+    shares = [[0.0, 0.0, 0.0]] * 3 + [[0.3, 0.0, 0.0]]
+    (model / "report.json").write_text(__import__("json").dumps({"memory_split": {"induction": shares}}))
+    sizes = split.sizes(model, 192, 0.625)
+    assert sum(sizes) == 128 * 4 and sizes[:3] == [80, 80, 80] and sizes[3] == 512 - 240
+    assert split.sizes(model, 320, 0.625) == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="--window must be in"):
+        split.sizes(model, 321, 0.625)
+    grid = __import__("json").loads(split.GRID.read_text())
+    w320 = grid["models"]["window-only W320"]["result"]["texts"]["wikipedia:eval"]["perplexity"]["4096"]
+    run = tmp_path / "run.json"
+    run.write_text(__import__("json").dumps({"task": "perplexity", **w320}))
+    rows = split.collect([f"same as W320@wikipedia:eval={run}"], tmp_path / "kept.json")
+    table = split.render(rows, grid).splitlines()
+    assert table[2].startswith("| W64 + memory 256 (the grid's recipe row) |")
+    assert "| same as W320 | " in table[3] and "| 1.000 [1.000, 1.000] |" in table[3]
+    with pytest.raises(ValueError, match="LABEL@TEXT=FILE.json"):
+        split.collect([f"nolabel={run}"], tmp_path / "kept.json")

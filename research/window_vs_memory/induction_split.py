@@ -1,0 +1,118 @@
+"""At the same number of exact keys per query, a wider window or a larger memory?
+
+The recipe's 324 exact keys per query (window 64 + 4 sinks + a memory of 256 keys per kv head on
+average) are moved between the window and the memory: window W + 4 sinks + a memory of 320 − W
+keys per kv head on average, split over the layers by the original's induction share
+(``memory_split="induction"``, the floor a share of 0.625 of the average, or 0 with
+``--floor 0``). ``sizes`` prints the per-layer sizes and the ``hf-rfa-evaluate`` commands of one
+window (they read the shares from the model's report.json). ``collect`` gathers their results
+(``LABEL@TEXT=FILE.json``, perplexity or copy) into the kept file; without a subcommand the table is
+printed from the kept file, each perplexity paired over the same windows with the rows of a
+``hf-rfa-evaluate --grid`` file collected by ``benchmarks/grid_table.py`` (the window-only W320
+and the original)::
+
+    python research/window_vs_memory/induction_split.py sizes --model out/smollm2-135m-rfa --window 192
+    python research/window_vs_memory/induction_split.py collect "W192 + memory 128@wikipedia:eval=RUN.json" ... [--add]
+    python research/window_vs_memory/induction_split.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hf_rfa.recipes.conversion.memory_split import floor_keys, split_budget
+from hf_rfa.recipes.intervals import fmt, paired_ratio_ci
+
+HERE = Path(__file__).resolve().parent
+KEPT = HERE / "induction_split.json"
+GRID = HERE.parents[1] / "benchmarks" / "results" / "grid_smollm2_v0.2.0.json"
+EXACT = 320  # window + memory per kv head on average (the 4 sinks come on top: 324 exact keys per query)
+
+
+def sizes(model: Path, window: int, floor: float) -> list[int]:
+    """The per-layer memory sizes of window ``window`` at ``EXACT`` exact keys, from the induction
+    shares the conversion measured (``report.json``'s ``memory_split``)."""
+    if not 0 <= window <= EXACT:
+        raise ValueError(f"--window must be in [0, {EXACT}], got {window}")
+    report = json.loads((model / "report.json").read_text())
+    if "memory_split" not in report:
+        raise ValueError(f"{model}/report.json has no memory_split: convert with --memory-split induction")
+    shares = [sum(heads) / len(heads) for heads in report["memory_split"]["induction"]]
+    avg = EXACT - window
+    return split_budget(avg * len(shares), shares, floor_keys(floor, avg))
+
+
+def collect(specs: list[str], out: Path, add: bool = False) -> dict:
+    """``LABEL@TEXT=FILE.json`` results of ``hf-rfa-evaluate`` on TEXT into ``{label: {kind:
+    result}}``, kind ``perplexity@TEXT@CONTEXT`` or ``copy@TEXT@GAP``."""
+    rows: dict = json.loads(out.read_text()) if add and out.exists() else {}
+    for spec in specs:
+        key, eq, path = spec.partition("=")
+        label, at, text = key.rpartition("@")
+        if not eq or not at:
+            raise ValueError(f"give LABEL@TEXT=FILE.json, got {spec!r}")
+        r = json.loads(Path(path).expanduser().read_text())
+        if r.get("task") == "perplexity":
+            kind = f"perplexity@{text}@{r['context']}"
+        elif r.get("task") == "copy":
+            kind = f"copy@{text}@{r['gap']}"
+        else:
+            raise ValueError(f"{path} is neither a perplexity nor a copy result (task {r.get('task')!r})")
+        rows.setdefault(label, {})[kind] = r
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def render(rows: dict, grid: dict) -> str:
+    """One line per label: perplexity at 4k and 8k on Wikipedia with its ratios to the grid's
+    window-only W320 and original (paired over the windows), and the copy at gap 512."""
+    ref = grid["models"]
+    kept = ref["recipe"]["result"]["texts"]["wikipedia:eval"]
+    published = {f"perplexity@wikipedia:eval@{c}": kept["perplexity"][c] for c in ("4096", "8192")}
+    published["copy@wikipedia:eval@512"] = kept["copy"]["512"]
+    rows = {"W64 + memory 256 (the grid's recipe row)": published, **rows}
+    lines = ["| exact keys per query | ppl @4k | × W320 | × original | ppl @8k | × W320 | × original | copy @512 |", "|" + "---|" * 8]
+    for label, r in rows.items():
+        cells = []
+        for ctx in ("4096", "8192"):
+            row = r.get(f"perplexity@wikipedia:eval@{ctx}")
+            if row is None:
+                cells += ["", "", ""]
+                continue
+            cells.append(fmt(row["perplexity"], row["ci95"]))
+            for name in ("window-only W320", "original"):
+                other = ref[name]["result"]["texts"]["wikipedia:eval"]["perplexity"][ctx]
+                cells.append(fmt(row["perplexity"] / other["perplexity"], paired_ratio_ci(row, other), ".3f"))
+        cp = r.get("copy@wikipedia:eval@512")
+        cells.append(fmt(cp["second"], cp["second_ci95"]) if cp else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*", help="'sizes', or 'collect' then LABEL@TEXT=FILE.json results")
+    p.add_argument("--model", default="out/smollm2-135m-rfa", help="sizes: the converted model (its report.json)")
+    p.add_argument("--window", type=int, default=192, help="sizes: the window W (memory 320 - W on average)")
+    p.add_argument("--floor", type=float, default=0.625, help="sizes: keys every layer keeps, a share of the average")
+    p.add_argument("--out", default=str(KEPT), help="collect: the kept file to write")
+    p.add_argument("--add", action="store_true", help="collect: keep the rows the kept file holds and add these")
+    p.add_argument("--grid", default=str(GRID), help="the grid file whose window-only W320 and original rows the ratios pair with")
+    a = p.parse_args(argv)
+    try:
+        if a.runs[:1] == ["sizes"]:
+            s = ",".join(map(str, sizes(Path(a.model), a.window, a.floor)))
+            rfa = f"--rfa window={a.window} memory_per_layer={s}" if a.window < EXACT else f"--rfa window={a.window} memory=0 memory_per_layer=none"
+            for task in ("--context 4096 --max-tokens 32768", "--context 8192 --max-tokens 32768", "--task copy --gap 512 --draws 8"):
+                print(f"hf-rfa-evaluate --model {a.model} --text wikipedia:eval {task} {rfa} --no-progress --output RUN.json")
+            return
+        rows = collect(a.runs[1:], Path(a.out), a.add) if a.runs[:1] == ["collect"] else json.loads(KEPT.read_text())
+        print(render(rows, json.loads(Path(a.grid).read_text())))
+    except ValueError as e:
+        p.error(str(e))
+
+
+if __name__ == "__main__":
+    main()
