@@ -66,28 +66,33 @@ def collect(specs: list[str], out: Path, add: bool = False) -> dict:
 
 
 def render(rows: dict, grid: dict) -> str:
-    """One line per label: perplexity at 4k and 8k on Wikipedia with its ratios to the grid's
-    window-only W320 and original (paired over the windows), and the copy at gap 512."""
+    """Per text with rows: one line per label, perplexity at 4k and 8k with its ratios to the
+    grid's window-only W320 and original (paired over the windows), and the copy at gap 512."""
     ref = grid["models"]
-    kept = ref["recipe"]["result"]["texts"]["wikipedia:eval"]
-    published = {f"perplexity@wikipedia:eval@{c}": kept["perplexity"][c] for c in ("4096", "8192")}
-    published["copy@wikipedia:eval@512"] = kept["copy"]["512"]
+    kept = ref["recipe"]["result"]["texts"]
+    published = {f"perplexity@{t}@{c}": kept[t]["perplexity"][c] for t in kept for c in ("4096", "8192")}
+    published.update({f"copy@{t}@512": kept[t]["copy"]["512"] for t in kept})
     rows = {"W64 + memory 256 (the grid's recipe row)": published, **rows}
-    lines = ["| exact keys per query | ppl @4k | × W320 | × original | ppl @8k | × W320 | × original | copy @512 |", "|" + "---|" * 8]
-    for label, r in rows.items():
-        cells = []
-        for ctx in ("4096", "8192"):
-            row = r.get(f"perplexity@wikipedia:eval@{ctx}")
-            if row is None:
-                cells += ["", "", ""]
+    measured = {k.split("@")[1] for r in list(rows.values())[1:] for k in r}
+    lines = []
+    for text in [t for t in kept if t in measured]:
+        lines += [*([""] if lines else []), f"{text}:", "", "| exact keys per query | ppl @4k | × W320 | × original | ppl @8k | × W320 | × original | copy @512 |", "|" + "---|" * 8]
+        for label, r in rows.items():
+            if not any(k.split("@")[1] == text for k in r):
                 continue
-            cells.append(fmt(row["perplexity"], row["ci95"]))
-            for name in ("window-only W320", "original"):
-                other = ref[name]["result"]["texts"]["wikipedia:eval"]["perplexity"][ctx]
-                cells.append(fmt(row["perplexity"] / other["perplexity"], paired_ratio_ci(row, other), ".3f"))
-        cp = r.get("copy@wikipedia:eval@512")
-        cells.append(fmt(cp["second"], cp["second_ci95"]) if cp else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            cells = []
+            for ctx in ("4096", "8192"):
+                row = r.get(f"perplexity@{text}@{ctx}")
+                if row is None:
+                    cells += ["", "", ""]
+                    continue
+                cells.append(fmt(row["perplexity"], row["ci95"]))
+                for name in ("window-only W320", "original"):
+                    other = ref[name]["result"]["texts"][text]["perplexity"][ctx]
+                    cells.append(fmt(row["perplexity"] / other["perplexity"], paired_ratio_ci(row, other), ".3f"))
+            cp = r.get(f"copy@{text}@512")
+            cells.append(fmt(cp["second"], cp["second_ci95"]) if cp else "")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

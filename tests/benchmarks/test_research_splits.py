@@ -55,7 +55,8 @@ def test_induction_split_sizes_and_table(tmp_path):
     run.write_text(__import__("json").dumps({"task": "perplexity", **w320}))
     rows = split.collect([f"same as W320@wikipedia:eval={run}"], tmp_path / "kept.json")
     table = split.render(rows, grid).splitlines()
-    assert table[2].startswith("| W64 + memory 256 (the grid's recipe row) |")
-    assert "| same as W320 | " in table[3] and "| 1.000 [1.000, 1.000] |" in table[3]
+    assert table[0] == "wikipedia:eval:" and not any(line.startswith("bbc_news") for line in table)  # only the measured texts
+    assert table[4].startswith("| W64 + memory 256 (the grid's recipe row) |")
+    assert "| same as W320 | " in table[5] and "| 1.000 [1.000, 1.000] |" in table[5]
     with pytest.raises(ValueError, match="LABEL@TEXT=FILE.json"):
         split.collect([f"nolabel={run}"], tmp_path / "kept.json")
