@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--floors", type=int, nargs="+", default=[96, 128, 160])
     p.add_argument("--out", default=str(Path(__file__).with_name("per_head_sizes.jsonl")))
     a = p.parse_args()
+    if not (Path(a.model) / "report.json").is_file():
+        p.error(f"--model {a.model} has no report.json: give the folder of a conversion (make main's out/smollm2-135m-rfa)")
     report = json.loads((Path(a.model) / "report.json").read_text())
     if "memory_split" not in report:
         p.error(f"{a.model}/report.json has no memory_split: convert with --memory-split induction")

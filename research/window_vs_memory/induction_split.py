@@ -36,6 +36,8 @@ def sizes(model: Path, window: int, floor: float) -> list[int]:
     shares the conversion measured (``report.json``'s ``memory_split``)."""
     if not 0 <= window <= EXACT:
         raise ValueError(f"--window must be in [0, {EXACT}], got {window}")
+    if not (model / "report.json").is_file():
+        raise ValueError(f"--model {model} has no report.json: give the folder of a conversion (make main's out/smollm2-135m-rfa)")
     report = json.loads((model / "report.json").read_text())
     if "memory_split" not in report:
         raise ValueError(f"{model}/report.json has no memory_split: convert with --memory-split induction")

@@ -49,6 +49,8 @@ def test_induction_split_sizes_and_table(tmp_path):
     assert split.sizes(model, 320, 0.625) == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="--window must be in"):
         split.sizes(model, 321, 0.625)
+    with pytest.raises(ValueError, match="has no report.json"):
+        split.sizes(tmp_path, 192, 0.625)
     grid = __import__("json").loads(split.GRID.read_text())
     w320 = grid["models"]["window-only W320"]["result"]["texts"]["wikipedia:eval"]["perplexity"]["4096"]
     run = tmp_path / "run.json"
