@@ -50,7 +50,7 @@ VARIANTS = {
     "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=256 feature_error": {**RECALL, "memory": 256, "memory_every": 64},
     "window-only W=64 S=4 memory=256": dict(feature_map="none", window=64, sinks=4, memory=256, memory_every=64),
     # the same 324 exact keys per query moved from the memory to the window (research/window_vs_memory/
-    # window_memory.py), and the equal-state window-only W320 baseline
+    # induction_split.py), and the equal-state window-only W320 baseline
     "rfa hedgehog m=64 W=192 S=4 decay=128 unrotated memory=128 feature_error": {**RECALL, "window": 192, "memory": 128, "memory_every": 64},
     "rfa hedgehog m=64 W=320 S=4 decay=128 unrotated": {**RECALL, "window": 320},
     "window-only W=320 S=4": dict(feature_map="none", window=320, sinks=4),

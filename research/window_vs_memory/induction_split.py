@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_rfa.recipes.conversion.memory_split import floor_keys, split_budget
+from hf_rfa.recipes.conversion.memory_split import layer_sizes
 from hf_rfa.recipes.intervals import fmt, paired_ratio_ci
 
 HERE = Path(__file__).resolve().parent
@@ -41,9 +41,7 @@ def sizes(model: Path, window: int, floor: float) -> list[int]:
     report = json.loads((model / "report.json").read_text())
     if "memory_split" not in report:
         raise ValueError(f"{model}/report.json has no memory_split: convert with --memory-split induction")
-    shares = [sum(heads) / len(heads) for heads in report["memory_split"]["induction"]]
-    avg = EXACT - window
-    return split_budget(avg * len(shares), shares, floor_keys(floor, avg))
+    return layer_sizes(report["memory_split"]["induction"], EXACT - window, floor)
 
 
 def collect(specs: list[str], out: Path, add: bool = False) -> dict:
@@ -74,8 +72,8 @@ def render(rows: dict, grid: dict) -> str:
     kept = ref["recipe"]["result"]["texts"]
     published = {f"perplexity@{t}@{c}": kept[t]["perplexity"][c] for t in kept for c in ("4096", "8192")}
     published.update({f"copy@{t}@512": kept[t]["copy"]["512"] for t in kept})
+    measured = {k.split("@")[1] for r in rows.values() for k in r}
     rows = {"W64 + memory 256 (the grid's recipe row)": published, **rows}
-    measured = {k.split("@")[1] for r in list(rows.values())[1:] for k in r}
     lines = []
     for text in [t for t in kept if t in measured]:
         lines += [*([""] if lines else []), f"{text}:", "", "| exact keys per query | ppl @4k | × W320 | × original | ppl @8k | × W320 | × original | copy @512 |", "|" + "---|" * 8]

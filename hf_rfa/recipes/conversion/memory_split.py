@@ -71,6 +71,14 @@ def split_budget(total: int, scores: list[float], floor: int = 0) -> list[int]:
     return [floor + x for x in sizes]
 
 
+def layer_sizes(shares: list[list[float]], memory: int, floor: float) -> list[int]:
+    """Per-layer memory sizes from the induction ``shares [layers][kv heads]``: ``memory`` keys per
+    kv head on average, ``floor`` (a share of ``memory``, :func:`floor_keys`) in every layer and the
+    rest in proportion to each layer's mean share over its kv heads (:func:`split_budget`)."""
+    scores = [sum(head) / len(head) for head in shares]
+    return split_budget(memory * len(scores), scores, floor_keys(floor, memory))
+
+
 @torch.no_grad()
 def induction_shares(model, ids: torch.Tensor, gaps: list[int], passage: int = PASSAGE, draws: int = DRAWS, skip: int = SKIP, seed: int = 1, progress: bool = False) -> list[list[float]]:
     """Per layer and kv head of an unconverted causal LM, the attention probability of the second
@@ -121,9 +129,8 @@ def measure_split(s) -> None:
     passage = max(2, min(PASSAGE, room // 4))
     gaps = [g for g in (cfg.copy_gaps or DEFAULT_GAPS) if 2 * passage + g <= room] or [max(0, room - 2 * passage)]
     shares = induction_shares(s.model, ids, gaps, passage=passage, skip=min(SKIP, passage // 4), seed=cfg.seed + 1, progress=cfg.progress)
-    scores = [sum(head) / len(head) for head in shares]
     floor = floor_keys(cfg.memory_floor, cfg.memory_after_training)
-    sizes = split_budget(cfg.memory_after_training * len(scores), scores, floor)
+    sizes = layer_sizes(shares, cfg.memory_after_training, cfg.memory_floor)
     s.report["memory_split"] = {"split": cfg.memory_split, "floor": floor, "sizes": sizes, "induction": [[round(x, 4) for x in head] for head in shares],
                                 "text": "calibration", "passage": passage, "gaps": gaps, "draws": DRAWS}
     logger.info("exact memory split by the original's induction share (floor %d): %s keys per kv head", floor, sizes)
@@ -144,4 +151,4 @@ def switch_on_memory(s, memory_score: str) -> None:
     set_memory(s.model, s.cfg.memory_after_training, s.cfg.rfa.memory_every, memory_score, per_layer=memory_sizes(s))
 
 
-__all__ = ["DEFAULT_GAPS", "MEMORY_SPLITS", "check_memory_split", "floor_keys", "induction_shares", "measure_split", "memory_label", "memory_sizes", "split_budget", "switch_on_memory"]
+__all__ = ["DEFAULT_GAPS", "MEMORY_SPLITS", "check_memory_split", "floor_keys", "induction_shares", "layer_sizes", "measure_split", "memory_label", "memory_sizes", "split_budget", "switch_on_memory"]
