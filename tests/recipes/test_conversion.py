@@ -6,7 +6,6 @@ end to end on it. One ``slow`` test converts the real SmolLM2-135M (quick settin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -19,81 +18,17 @@ import torch
 
 import hf_rfa
 from hf_rfa.cli import config_from_args
-from hf_rfa.recipes import evaluation
 from hf_rfa.recipes.conversion import pipeline
-from tiny_models import VOCAB, tiny_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _script(name: str):
-    """conversion/<name>.py loaded by path (conversion/ is not put on sys.path: its evaluate.py
-    would shadow the ``evaluate`` package)."""
-    spec = importlib.util.spec_from_file_location(f"conversion_{name}", os.path.join(ROOT, "conversion", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WORDS = [f"w{i}" for i in range(VOCAB - 3)]
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]", eos_token="[PAD]")
-
-
-def _text(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    # a little structure (repeated phrases) so that attention is not uniform
-    phrases = [" ".join(rng.choice(WORDS) for _ in range(6)) for _ in range(20)]
-    return "\n".join(" ".join(rng.choice(phrases) for _ in range(8)) for _ in range(n // 48 + 1))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """Folders of a tiny Llama, GPT-2 and BERT (+ tokenizer) and calibration/eval text files."""
-    root = tmp_path_factory.mktemp("tiny")
-    tok = _tokenizer()
-    out = {}
-    for fam in ("llama", "gpt2", "bert"):
-        m = tiny_model(fam)
-        d = root / fam
-        m.save_pretrained(d)
-        tok.save_pretrained(d)
-        out[fam] = str(d)
-    (root / "cal.txt").write_text(_text(3000, 0))
-    (root / "eval.txt").write_text(_text(3000, 1))
-    (root / "sent.txt").write_text("\n".join(" ".join(random.Random(i).choice(WORDS) for _ in range(12)) for i in range(40)))
-    out["cal"], out["eval"], out["sent"] = str(root / "cal.txt"), str(root / "eval.txt"), str(root / "sent.txt")
-    out["root"] = root
-    return out
-
-
-def _args(tiny, fam, output, *extra):
-    """The family's preset (encoder for BERT, recall else: GPT-2 without rotary embeddings reads
-    rotated q/k) with budgets and lengths a tiny model runs in seconds."""
-    text = ["--calibration-text", tiny["sent"], "--eval-text", tiny["sent"]] if fam == "bert" else ["--calibration-text", tiny["cal"], "--eval-text", tiny["eval"]]
-    preset = ["--preset", "encoder", "--encoder-max-length", "128", "--encoder-pack-tokens", "0"] if fam == "bert" else [
-        "--preset", "recall", "--transfer-queries", "8", "--lora-context", "32", "--memory-after-training", "0"]
-    if fam == "gpt2":
-        preset += ["--feature-input", "rotated"]
-    return ["--model", tiny[fam], "--output", str(output), *preset, "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
-            "--transfer-tokens", "256", "--lora-tokens", "0", "--context", "32", "--eval-contexts", "32", "--eval-tokens", "256",
-            "--error-tokens", "64", "--random-num-features", "16", "--no-progress", *text, *extra]
+from conversion_runs import ROOT, WORDS, conversion_args, conversion_script, word_tokenizer
+from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("fam", ["llama", "gpt2", "bert"])
 def test_convert_script_end_to_end(tiny_dir, tmp_path, fam):
-    script = _script("convert")
+    script = conversion_script("convert")
 
     extra = ["--lora-tokens", "64"] if fam != "bert" else []
-    report = script.main(_args(tiny_dir, fam, tmp_path / "out", *extra))
+    report = script.main(conversion_args(tiny_dir, fam, tmp_path / "out", *extra))
     out = tmp_path / "out"
     for f in ("config.json", "model.safetensors", "README.md", "report.json", "RESULTS.md", "layer_errors.md", "layer_errors.png", "modeling_hf_rfa.py"):
         assert (out / f).is_file(), f
@@ -113,32 +48,32 @@ def test_convert_script_end_to_end(tiny_dir, tmp_path, fam):
 
 
 def test_failed_run_leaves_no_output(tiny_dir, tmp_path, monkeypatch):
-    script = _script("convert")
+    script = conversion_script("convert")
 
     def boom(*a, **k):
         raise RuntimeError("interrupted")
 
     monkeypatch.setattr(pipeline.transfer, "attention_transfer", boom)
     with pytest.raises(RuntimeError, match="interrupted"):
-        script.main(_args(tiny_dir, "llama", tmp_path / "out"))
+        script.main(conversion_args(tiny_dir, "llama", tmp_path / "out"))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_existing_output_is_refused(tiny_dir, tmp_path):
-    script = _script("convert")
+    script = conversion_script("convert")
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
-        script.main(_args(tiny_dir, "llama", tmp_path / "out"))
+        script.main(conversion_args(tiny_dir, "llama", tmp_path / "out"))
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
 
 
 def test_learnable_projections_are_transferred(tiny_dir, tmp_path):
     """--learnable-projections: favor+ gets a transfer stage that moves its projections."""
-    script = _script("convert")
+    script = conversion_script("convert")
 
-    script.main(_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections"))
+    script.main(conversion_args(tiny_dir, "llama", tmp_path / "out", "--feature-map", "favor+", "--learnable-projections"))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["stages"]["transfer"]["tokens"] >= 256
     model, _, _ = pipeline.load_model(str(tmp_path / "out"))
@@ -172,10 +107,10 @@ def test_evaluate_prints_json(tiny_dir, tmp_path):
 
 
 def test_evaluate_converted_checkpoint_matches_in_process(tiny_dir, tmp_path):
-    script = _script("evaluate")
-    conv = _script("convert")
+    script = conversion_script("evaluate")
+    conv = conversion_script("convert")
 
-    conv.main(_args(tiny_dir, "llama", tmp_path / "out"))
+    conv.main(conversion_args(tiny_dir, "llama", tmp_path / "out"))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     final = [r for r in rep["rows"] if r["variant"] == rep["final_variant"]][0]
     got = script.main(["--model", str(tmp_path / "out"), "--text", tiny_dir["eval"], "--context", "32", "--max-tokens", "256", "--no-progress"])
@@ -218,7 +153,7 @@ def test_report_regenerates_from_committed_runs(tmp_path, monkeypatch):
     the original at the same context, next to its window-only baseline."""
     import glob
 
-    report = _script("report")
+    report = conversion_script("report")
 
     specs = sorted(glob.glob(os.path.join(ROOT, "conversion", "results", "runs", "*.json")))
     assert specs, "no committed conversion runs"
@@ -264,7 +199,7 @@ def test_report_regenerates_from_committed_runs(tmp_path, monkeypatch):
 def test_main_job_run_file_is_portable(tmp_path):
     """make main keeps its report as conversion/results/runs/smollm2-recall_v<version>.json, with no
     folder of the machine it ran on."""
-    main_job = _script("main_job")
+    main_job = conversion_script("main_job")
     home = str(tmp_path / "home")
     rep = {"model": home + "/.cache/hf_rfa/smollm2", "config": {"eval_text": home + "/x/eval.txt", "texts": [home, "wikipedia:eval"]},
            "other": home + "x"}
@@ -283,7 +218,7 @@ def test_main_job_run_file_is_portable(tmp_path):
 
 
 def test_main_job_run_file_names_the_command_that_ran(monkeypatch):
-    main_job = _script("main_job")
+    main_job = conversion_script("main_job")
     monkeypatch.setenv("MAKELEVEL", "1")
     assert main_job.run_command([]) == "make main"
     assert main_job.run_command(["--no-progress"]) == "make main ARGS=--no-progress"
@@ -292,187 +227,12 @@ def test_main_job_run_file_names_the_command_that_ran(monkeypatch):
     assert main_job.run_command(["--quick"]) == "python conversion/main_job.py --quick"
 
 
-def test_causal_run_carries_the_window_only_baseline_and_long_range_rows(tiny_dir, tmp_path):
-    """Every hybrid conversion reports window-only (same window/sinks, its own LoRA with the same
-    token budget) next to the feature rows, and the copy task for every variant."""
-    cfg = pipeline.ConversionConfig(
-        model=tiny_dir["llama"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1),
-        transfer_tokens=0, lora_tokens=128, context=64, eval_contexts=[64], eval_tokens=256, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, copy_gaps=[20], copy_draws=2,
-        generate_prompt=None, progress=False,
-    )
-    rep = pipeline.run(cfg)
-    names = [r["variant"] for r in rep["rows"]]
-    wo = "window-only: window 4 + sinks 1, no features"
-    assert names == ["original (softmax)", f"{wo}, untrained", f"{wo}, after LoRA", "favor+ m=16 + window 4 + sinks 1, untrained",
-                     "favor+ m=16 + window 4 + sinks 1, after LoRA"]
-    assert rep["stages"]["lora (window-only)"]["tokens"] == rep["stages"]["lora"]["tokens"] == 128
-    assert [e["variant"] for e in rep["long_range"]] == names
-    assert all(set(e["copy"]) == {"20"} and e["copy"]["20"]["second"] > 0 for e in rep["long_range"])
-    # the trained window-only model was a copy: the untrained rows of the recipe are not LoRA-tuned
-    wo_rows = {r["variant"]: r["perplexity"] for r in rep["rows"]}
-    assert wo_rows[f"{wo}, untrained"] != wo_rows[f"{wo}, after LoRA"]
-    saved = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert saved["long_range"][0]["variant"] == "original (softmax)"
-
-
-def test_encoder_run_carries_the_window_only_baseline(tiny_dir, tmp_path):
-    """An encoder hybrid's report, metrics and model card carry window-only (same window and sinks,
-    no training: encoders have no LoRA stage) next to the features; texts are cut at
-    ``encoder_max_length`` tokens (a longer limit changes what is compared)."""
-    def run(out, n):
-        cfg = pipeline.ConversionConfig(
-            model=tiny_dir["bert"], output=str(tmp_path / out), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
-            transfer_tokens=128, error_tokens=64, encoder_max_length=n, calibration_text=tiny_dir["sent"], eval_text=tiny_dir["eval"],
-            baselines=False, window_only_baseline=True, baseline_windows=[2, 6], progress=False,
-        )
-        return pipeline.run(cfg)
-
-    rep = run("out", 8)
-    names = [r["variant"] for r in rep["rows"]]
-    wo = "window-only: window 2 + sinks 1, no features, untrained"
-    assert names == ["original (softmax)", wo, "window-only: window 6 + sinks 1, no features, untrained",
-                     "hedgehog m=8 + window 2 + sinks 1, untrained", "hedgehog m=8 + window 2 + sinks 1, after attention transfer"]
-    assert "lora (window-only)" not in rep["stages"]
-    saved = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert saved["baseline_variant"] == wo and saved["final_variant"] == names[-1]
-    rows = {r["variant"]: r for r in rep["rows"]}
-    assert rows[wo]["cosine_mean"] < 1.0
-    card = (tmp_path / "out" / "README.md").read_text()
-    assert "window_only_mean" in card and f"{rows[wo]['cosine_mean']:.4g}"[:5] in card
-    longer = {r["variant"]: r for r in run("out32", 32)["rows"]}
-    assert longer[wo]["cosine_mean"] != rows[wo]["cosine_mean"]
-    with pytest.raises(ValueError, match="encoder_max_length"):
-        pipeline.ConversionConfig(model="m", encoder_max_length=0)
-
-
-def test_pack_texts_joins_consecutive_lines_in_order(tiny_dir):
-    tok = _tokenizer()
-    lines = [" ".join(WORDS[i : i + 3]) for i in range(7)]  # 3 tokens each
-    packed = evaluation.pack_texts(tok, lines, 7)
-    assert packed == [" ".join(lines[0:3]), " ".join(lines[3:6])]  # 9 tokens each; the 3-token rest dropped
-    assert evaluation.pack_texts(tok, lines, 100) == []
-    for bad in (0, -1, True, 2.5):
-        with pytest.raises(ValueError, match="min_tokens"):
-            evaluation.pack_texts(tok, lines, bad)
-
-
-def test_encoder_run_on_packed_passages(tiny_dir, tmp_path):
-    """``encoder_pack_tokens``: calibration, training and evaluation texts become passages of at
-    least that many tokens (here 4 lines of 12 words), so fewer, longer texts are compared."""
-    cfg = pipeline.ConversionConfig(
-        model=tiny_dir["bert"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
-        transfer_tokens=128, error_tokens=64, encoder_pack_tokens=40, encoder_max_length=64, calibration_text=tiny_dir["sent"],
-        eval_text=tiny_dir["sent"], baselines=False, progress=False,
-    )
-    rep = pipeline.run(cfg)
-    assert {r["sentences"] for r in rep["rows"]} == {10}  # 40 lines of 12 tokens -> 10 passages of 48
-    bad = pipeline.ConversionConfig(**{**cfg.__dict__, "output": str(tmp_path / "bad"), "encoder_pack_tokens": 10_000})
-    with pytest.raises(ValueError, match="calibration_text has fewer than encoder_pack_tokens=10000 tokens"):
-        pipeline.run(bad)
-    with pytest.raises(ValueError, match="encoder_pack_tokens"):
-        pipeline.ConversionConfig(model="m", encoder_pack_tokens=-1)
-
-
-def test_encoder_max_length_beyond_the_model_is_refused(tiny_dir, tmp_path):
-    from transformers import AutoConfig
-
-    limit = AutoConfig.from_pretrained(tiny_dir["bert"]).max_position_embeddings
-    cfg = pipeline.ConversionConfig(
-        model=tiny_dir["bert"], output=str(tmp_path / "out"), rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=2, sinks=1),
-        transfer_tokens=0, encoder_max_length=limit + 1, calibration_text=tiny_dir["sent"], eval_text=tiny_dir["sent"], baselines=False, progress=False,
-    )
-    with pytest.raises(ValueError, match=f"encoder_max_length must be at most the model's max_position_embeddings \\({limit}\\)"):
-        pipeline.run(cfg)
-    assert not (tmp_path / "out").exists()
-
-
-def test_main_job_shaped_run_has_the_equal_state_baseline_and_skips_the_untransferred_map(tiny_dir, tmp_path):
-    """The main job's shape on a tiny Llama: a learned map on un-rotated q/k with a decay, a second
-    window-only baseline (``baseline_windows``) after its own LoRA, no evaluation of the map before
-    transfer (``evaluate_before_transfer=False``); the export loads back with the setting."""
-    cfg = pipeline.ConversionConfig(
-        model=tiny_dir["llama"], output=str(tmp_path / "out"),
-        rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated"),
-        transfer_tokens=128, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, baseline_windows=[8],
-        evaluate_before_transfer=False, generate_prompt=None, progress=False,
-    )
-    rep = pipeline.run(cfg)
-    names = [r["variant"] for r in rep["rows"]]
-    wo = "window-only: window 4 + sinks 1, no features"
-    label = "hedgehog m=8 + window 4 + sinks 1 + decay 16, un-rotated q/k"
-    assert names == ["original (softmax)", f"{wo}, untrained", f"{wo}, after LoRA", "window-only: window 8 + sinks 1, no features, after LoRA",
-                     f"{label}, after attention transfer", f"{label}, after transfer + LoRA"]
-    assert rep["stages"]["lora (window-only 8)"]["tokens"] == rep["stages"]["lora"]["tokens"] >= 64
-    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
-    assert hf_rfa.rfa_config_of(model).feature_input == "unrotated"
-    assert model.model.layers[0].self_attn.rfa.feature_input == "unrotated"
-
-
-def test_memory_after_training_rows_and_published_model(tiny_dir, tmp_path):
-    """``memory_after_training``: the window-only baseline after its LoRA and the recipe after
-    transfer + LoRA are evaluated again with the exact memory switched on (the baseline ranks by
-    ‖v‖, the recipe by its memory_score); the published model carries the memory."""
-    cfg = pipeline.ConversionConfig(
-        model=tiny_dir["llama"], output=str(tmp_path / "out"),
-        rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, decay=16.0, feature_input="unrotated", memory_score="feature_error", memory_every=8),
-        transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, memory_after_training=3,
-        evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
-    )
-    rep = pipeline.run(cfg)
-    names = [r["variant"] for r in rep["rows"]]
-    wo = "window-only: window 4 + sinks 1, no features"
-    label = "hedgehog m=8 + window 4 + sinks 1 + decay 16, un-rotated q/k"
-    assert names == ["original (softmax)", f"{wo}, untrained", f"{wo}, after LoRA",
-                     "window-only: window 4 + sinks 1 + memory 3 (value_norm), no features, after LoRA",
-                     f"{label}, after attention transfer", f"{label}, after transfer + LoRA", f"{label}, after transfer + LoRA + memory 3 (feature_error)"]
-    ppl = {r["variant"]: r["perplexity"] for r in rep["rows"]}
-    assert ppl[names[-1]] != ppl[names[-2]] and ppl[names[3]] != ppl[names[2]]  # the memory is used
-    assert rep["final_variant"] == names[-1]
-    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
-    cfg_out = hf_rfa.rfa_config_of(model)
-    assert (cfg_out.memory, cfg_out.memory_every, cfg_out.memory_score) == (3, 8, "feature_error")
-    assert model.model.layers[0].self_attn.rfa.memory == 3
-    # past the model's positions its memory keys count as the farthest trained distance (tests/hf/test_hf_memory_distance.py)
-    assert cfg_out.memory_distance == model.config.max_position_embeddings - 1 and model.model.layers[0].self_attn.rfa.memory_rope is not None
-    with pytest.raises(ValueError, match="memory_after_training"):
-        pipeline.ConversionConfig(model="x", rfa=hf_rfa.RFAConfig(memory=2), memory_after_training=3)
-    with pytest.raises(ValueError, match="memory_after_training"):
-        pipeline.ConversionConfig(model="x", memory_after_training=-1)
-
-
-def test_memory_split_by_induction_in_the_recipe_and_its_baseline(tiny_dir, tmp_path):
-    """``memory_split="induction"``: the same total of memory keys split over the layers by the
-    original's induction share (measured before conversion, in the report), used by the window-only
-    baseline and by the published recipe alike."""
-    cfg = pipeline.ConversionConfig(
-        model=tiny_dir["llama"], output=str(tmp_path / "out"),
-        rfa=hf_rfa.RFAConfig(feature_map="hedgehog", num_features=8, window=4, sinks=1, feature_input="unrotated", memory_score="feature_error", memory_every=8),
-        transfer_tokens=64, lora_tokens=64, context=32, eval_contexts=[32], eval_tokens=128, error_tokens=64,
-        calibration_text=tiny_dir["cal"], eval_text=tiny_dir["eval"], baselines=False, window_only_baseline=True, memory_after_training=3,
-        memory_split="induction", memory_floor=0.34, evaluate_before_transfer=False, generate_prompt=None, progress=False, copy_gaps=[8], copy_draws=1,
-    )
-    rep = pipeline.run(cfg)
-    assert rep["machine"]["cpu"] and rep["machine"]["threads"] >= 1 and "gpu" not in rep["machine"]  # where the figures were measured
-    split = rep["memory_split"]
-    assert sum(split["sizes"]) == 3 * 2 and min(split["sizes"]) >= 1 == split["floor"] and split["gaps"] == [8]
-    assert len(split["induction"]) == 2 and all(len(h) == 2 and all(0 < x < 1 for x in h) for h in split["induction"])
-    names = [r["variant"] for r in rep["rows"]]
-    assert "window-only: window 4 + sinks 1 + memory 3 by layer (value_norm), no features, after LoRA" in names
-    assert names[-1].endswith("after transfer + LoRA + memory 3 by layer (feature_error)") and rep["final_variant"] == names[-1]
-    model, _, _ = pipeline.load_model(str(tmp_path / "out"))
-    assert hf_rfa.rfa_config_of(model).memory_per_layer == split["sizes"]
-    assert [layer.self_attn.rfa.memory for layer in model.model.layers] == split["sizes"]
-
-
 def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, monkeypatch, caplog, capsys):
     """Without matplotlib the plot is skipped with one warning (checked before any stage); a failed
     --push-to-hub keeps the folder, prints the table and says how to upload."""
     import importlib.util
 
-    script = _script("convert")
+    script = conversion_script("convert")
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "matplotlib" else real_find_spec(name, *a, **k))
@@ -482,7 +242,7 @@ def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, mon
 
     monkeypatch.setattr("huggingface_hub.HfApi.create_repo", offline)
     with caplog.at_level("WARNING", logger="hf_rfa.recipes.conversion.pipeline"):
-        report = script.main(_args(tiny_dir, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-rfa"))
+        report = script.main(conversion_args(tiny_dir, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-rfa"))
     out = tmp_path / "out"
     assert (out / "model.safetensors").is_file() and (out / "layer_errors.md").is_file()
     assert not (out / "layer_errors.png").exists()
@@ -508,7 +268,7 @@ def test_installed_commands_exit_0_on_success(tiny_dir, tmp_path):
                          "--max-tokens", "64", "--no-progress"], capture_output=True, text=True)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "perplexity" in ev.stdout and "{'task'" not in ev.stderr
-    conv = subprocess.run([_installed("hf-rfa-convert"), *_args(tiny_dir, "llama", tmp_path / "out")], capture_output=True, text=True)
+    conv = subprocess.run([_installed("hf-rfa-convert"), *conversion_args(tiny_dir, "llama", tmp_path / "out")], capture_output=True, text=True)
     assert conv.returncode == 0, conv.stderr[-2000:]
     assert (tmp_path / "out" / "config.json").is_file()
     assert "{'rows'" not in conv.stderr and "'output':" not in conv.stderr
@@ -526,12 +286,12 @@ def test_classifier_conversion_reports_each_metric(tiny_dir, tmp_path):
 
     d = tmp_path / "cls"
     tiny_model("bert", head="cls").save_pretrained(d)
-    _tokenizer().save_pretrained(d)
+    word_tokenizer().save_pretrained(d)
     rows = [" ".join(random.Random(i).choice(WORDS) for _ in range(10)) for i in range(40)]
     csv = tmp_path / "labelled.csv"
     csv.write_text("text,label\n" + "\n".join(f"{t},{i % 2}" for i, t in enumerate(rows)) + "\n")
     out = tmp_path / "out"
-    _script("convert").main(["--model", str(d), "--output", str(out), "--preset", "encoder", "--encoder-max-length", "16", "--encoder-pack-tokens", "0",
+    conversion_script("convert").main(["--model", str(d), "--output", str(out), "--preset", "encoder", "--encoder-max-length", "16", "--encoder-pack-tokens", "0",
           "--feature-map", "hedgehog", "--num-features", "8", "--window", "2", "--sinks", "1", "--transfer-tokens", "64", "--error-tokens", "32",
           "--calibration-text", str(csv), "--eval-text", str(csv), "--metric", "accuracy", "f1", "--no-progress"])
     rep = json.loads((out / "report.json").read_text())
@@ -579,10 +339,10 @@ def test_failed_push_exits_1_and_keeps_the_folder(tiny_dir, tmp_path, monkeypatc
 
     monkeypatch.setattr("huggingface_hub.HfApi.create_repo", offline)
     out = tmp_path / "out"
-    assert cli.convert_command(_args(tiny_dir, "llama", out, "--push-to-hub", "me/tiny-rfa", "--generate-tokens", "0")) == 1
+    assert cli.convert_command(conversion_args(tiny_dir, "llama", out, "--push-to-hub", "me/tiny-rfa", "--generate-tokens", "0")) == 1
     assert "hf upload me/tiny-rfa" in capsys.readouterr().out
     assert (out / "model.safetensors").is_file() and (out / "report.json").is_file()
-    assert cli.convert_command(_args(tiny_dir, "llama", tmp_path / "out2", "--generate-tokens", "0")) == 0  # no push asked: 0
+    assert cli.convert_command(conversion_args(tiny_dir, "llama", tmp_path / "out2", "--generate-tokens", "0")) == 0  # no push asked: 0
 
 
 def test_evaluate_rfa_settings_equal_a_model_converted_with_them(tiny_dir, tmp_path, capsys):
@@ -595,7 +355,7 @@ def test_evaluate_rfa_settings_equal_a_model_converted_with_them(tiny_dir, tmp_p
     for name, cfg in (("saved", base), ("want", {**base, "window": 8, "memory": 3, "memory_every": 4})):
         m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**cfg))
         m.save_pretrained(tmp_path / name)
-        _tokenizer().save_pretrained(tmp_path / name)
+        word_tokenizer().save_pretrained(tmp_path / name)
     common = ["--text", tiny_dir["eval"], "--context", "64", "--max-tokens", "256", "--no-progress"]
     got = cli.evaluate_main(["--model", str(tmp_path / "saved"), "--rfa", "window=8", "memory=3", "memory_every=4", *common])
     want = cli.evaluate_main(["--model", str(tmp_path / "want"), *common])
@@ -621,7 +381,7 @@ def test_evaluate_warns_when_the_memory_reads_past_the_rotary_positions(tiny_dir
 
     m = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(feature_map="favor+", num_features=16, window=4, sinks=1, memory=3, memory_every=4, feature_input="unrotated"))
     m.save_pretrained(tmp_path / "m")
-    _tokenizer().save_pretrained(tmp_path / "m")
+    word_tokenizer().save_pretrained(tmp_path / "m")
     common = ["--model", str(tmp_path / "m"), "--text", tiny_dir["eval"], "--max-tokens", "1023", "--no-progress"]
     cases = ((["--context", "1024"], True), (["--context", "512"], False), (["--context", "1024", "--rfa", "memory=0"], False),
              (["--context", "1024", "--rfa", "memory_distance=511"], False), (["--context", "1024", "--rfa", "memory_distance=600"], True))
