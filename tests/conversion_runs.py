@@ -1,12 +1,16 @@
 """Tiny models and texts the conversion tests run on: a tiny Llama / GPT-2 / BERT with a word-level
-tokenizer saved to a folder (:func:`tiny_folders`; the ``tiny_dir`` fixture of tests/recipes/conftest.py),
-and the conversion flags a tiny model runs in seconds (:func:`conversion_args`)."""
+tokenizer saved to a folder (:func:`tiny_folders`; the module-scoped ``tiny_dir`` fixture, which a test
+module imports to use), the conversion flags a tiny model runs in seconds (:func:`conversion_args`) and
+the installed console scripts (:func:`installed_command`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import random
+import sys
+
+import pytest
 
 from tiny_models import VOCAB, tiny_model
 
@@ -58,6 +62,20 @@ def tiny_folders(root) -> dict:
     out["cal"], out["eval"], out["sent"] = str(root / "cal.txt"), str(root / "eval.txt"), str(root / "sent.txt")
     out["root"] = root
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """Folders of a tiny Llama, GPT-2 and BERT (+ tokenizer) and calibration/eval text files."""
+    return tiny_folders(tmp_path_factory.mktemp("tiny"))
+
+
+def installed_command(command: str) -> str:
+    """The installed console script (``[project.scripts]``) beside this interpreter."""
+    path = os.path.join(os.path.dirname(sys.executable), command)
+    if not os.path.exists(path):
+        pytest.skip(f"{command} is not installed beside {sys.executable}")
+    return path
 
 
 def conversion_args(tiny, fam, output, *extra):

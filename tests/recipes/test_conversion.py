@@ -19,7 +19,7 @@ import torch
 import hf_rfa
 from hf_rfa.cli import config_from_args
 from hf_rfa.recipes.conversion import pipeline
-from conversion_runs import ROOT, WORDS, conversion_args, conversion_script, word_tokenizer
+from conversion_runs import ROOT, WORDS, conversion_args, conversion_script, installed_command, tiny_dir, word_tokenizer  # noqa: F401 - tiny_dir: the shared fixture
 from tiny_models import tiny_model
 
 
@@ -253,22 +253,14 @@ def test_no_matplotlib_and_offline_push_keep_the_results(tiny_dir, tmp_path, mon
     assert (out / "tokenizer.json").is_file()  # exported by hf_rfa.export itself
 
 
-def _installed(command: str) -> str:
-    """The installed console script (``[project.scripts]``) beside this interpreter."""
-    path = os.path.join(os.path.dirname(sys.executable), command)
-    if not os.path.exists(path):
-        pytest.skip(f"{command} is not installed beside {sys.executable}")
-    return path
-
-
 def test_installed_commands_exit_0_on_success(tiny_dir, tmp_path):
     """The console-script wrappers call ``sys.exit(command())``: a returned report dict would exit 1
     and be printed to stderr; the commands exit 0 and keep stderr free of the report."""
-    ev = subprocess.run([_installed("hf-rfa-evaluate"), "--model", tiny_dir["llama"], "--text", tiny_dir["eval"], "--context", "32",
+    ev = subprocess.run([installed_command("hf-rfa-evaluate"), "--model", tiny_dir["llama"], "--text", tiny_dir["eval"], "--context", "32",
                          "--max-tokens", "64", "--no-progress"], capture_output=True, text=True)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "perplexity" in ev.stdout and "{'task'" not in ev.stderr
-    conv = subprocess.run([_installed("hf-rfa-convert"), *conversion_args(tiny_dir, "llama", tmp_path / "out")], capture_output=True, text=True)
+    conv = subprocess.run([installed_command("hf-rfa-convert"), *conversion_args(tiny_dir, "llama", tmp_path / "out")], capture_output=True, text=True)
     assert conv.returncode == 0, conv.stderr[-2000:]
     assert (tmp_path / "out" / "config.json").is_file()
     assert "{'rows'" not in conv.stderr and "'output':" not in conv.stderr

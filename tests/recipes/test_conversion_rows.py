@@ -9,7 +9,7 @@ import json
 import pytest
 
 import hf_rfa
-from conversion_runs import WORDS, word_tokenizer
+from conversion_runs import WORDS, tiny_dir, word_tokenizer  # noqa: F401 - tiny_dir: the shared fixture
 from hf_rfa.recipes import evaluation
 from hf_rfa.recipes.conversion import pipeline
 

@@ -15,7 +15,7 @@ import torch
 import hf_rfa
 from hf_rfa.presets import PRESETS
 from hf_rfa.recipes.conversion import pipeline
-from test_conversion import _installed, _script, tiny_dir  # noqa: F401 - tiny_dir: the shared fixture
+from conversion_runs import conversion_script, installed_command, tiny_dir  # noqa: F401 - tiny_dir: the shared fixture
 
 # the recall preset with budgets a tiny model trains in seconds (every stage still runs)
 TINY_BUDGET = {"num_features": 8, "window": 4, "sinks": 1, "decay": 16.0, "transfer_tokens": 128, "transfer_queries": 8,
@@ -58,7 +58,7 @@ def test_linearize_builds_the_model_the_command_builds(tiny_dir, tmp_path):
     """``hf-rfa-convert --preset recall`` (tiny budgets) and ``hf_rfa.linearize(..., "recall")`` with
     the same settings and training text: the same weights, buffers and logits."""
     out = tmp_path / "out"
-    script = _script("convert")
+    script = conversion_script("convert")
     script.main(["--preset", "recall", "--model", tiny_dir["llama"], "--output", str(out), "--calibration-text", tiny_dir["cal"],
                  "--train-text", tiny_dir["cal"], "--eval-text", tiny_dir["eval"], "--eval-contexts", "32", "--eval-tokens", "64",
                  "--error-tokens", "32", "--no-progress", "--generate-tokens", "0", *_flags(TINY_BUDGET)])
@@ -91,7 +91,7 @@ def test_linearize_refuses_what_it_cannot_do(tiny_dir):
 
 
 def _convert(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_installed("hf-rfa-convert"), *argv], capture_output=True, text=True, timeout=300)
+    return subprocess.run([installed_command("hf-rfa-convert"), *argv], capture_output=True, text=True, timeout=300)
 
 
 def _base(tiny, out) -> list[str]:
@@ -172,13 +172,13 @@ def test_baselines_only_when_asked():
 def test_two_process_accelerate_launch_exits_0(tiny_dir, tmp_path):
     """``accelerate launch`` with 2 CPU processes of ``hf-rfa-train`` on a tiny model exits 0 (an
     installed command that returned its report once made every launch end in ChildFailedError)."""
-    accelerate = _installed("accelerate")
+    accelerate = installed_command("accelerate")
     train = tmp_path / "train.txt"
     train.write_text(open(tiny_dir["cal"]).read())
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         _installed("hf-rfa-train"), "--model_name_or_path", tiny_dir["llama"], "--train_file", str(train), "--output_dir", str(tmp_path / "run"),
+         installed_command("hf-rfa-train"), "--model_name_or_path", tiny_dir["llama"], "--train_file", str(train), "--output_dir", str(tmp_path / "run"),
          "--preset", "recall", "--num_features", "8", "--window", "4", "--sinks", "1", "--decay", "16", "--max_seq_length", "32",
          "--max_train_steps", "2", "--per_device_train_batch_size", "2", "--disable_tqdm"],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
