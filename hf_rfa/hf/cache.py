@@ -34,8 +34,14 @@ state is exactly the one of the rotated recipe — the window keeps the rotated 
 keys of the local block (kept window + new tokens) are un-rotated again where the feature part
 needs them (``continue_attention``'s ``feature_key_fn``). The rotations this needs, ``(cos, sin)`` of
 the last ``W`` positions, are the same in every layer: the cache keeps them once, in one
-:class:`RopeRing` shared by all layers (``2·W·Dr`` numbers per batch row, or for the whole batch
-when the positions are the same in every row), counted once in ``nbytes()``.
+:class:`~hf_rfa.hf.rotations.RopeRing` shared by all layers (``2·W·Dr`` numbers per batch row, or
+for the whole batch when the positions are the same in every row), counted once in ``nbytes()``.
+With an exact memory the ring covers its buffer (``W + memory_every`` positions) and the memory's
+keys, which may lie anywhere in the past, are un-rotated where a call reads them (a refresh, keys
+beyond ``memory_distance``) with rotations recomputed from the model's rotary embedding
+(:class:`~hf_rfa.hf.rotations.RopeTable`, checked against every forward's); where that check
+fails (a rotary embedding that changes with the length, padding after the first real token,
+positions that do not count the real tokens) the layers keep copies of their un-rotated keys.
 
 Beam search is supported (``reorder_cache``, ``batch_select_indices``,
 ``batch_repeat_interleave``); ``crop`` is not (a recurrent state cannot be rolled back), so
@@ -55,8 +61,9 @@ from .. import compat
 from ..config import CONFIG_ATTR, RFAConfig
 from ..ops.decode import DecodeCall, DecodeState, continue_attention
 from ..ops.masks import validate_qkv
-from ..ops.memory import MemoryCall, MemoryState, continue_memory_attention
+from ..ops.memory import MemoryCall, MemoryState, continue_memory_attention, derive_feature_keys
 from .rope import unrotate
+from .rotations import RopeRing, RopeTable
 
 logger = logging.getLogger(__name__)
 
@@ -64,78 +71,6 @@ logger = logging.getLogger(__name__)
 KWARG = "rfa_cache_layer"
 #: generation modes that get an RFACache by default (the others may roll a cache back: crop)
 DEFAULT_MODES = frozenset({"greedy_search", "sample", "beam_search", "beam_sample"})
-
-
-class RopeRing:
-    """The rotary embedding ``(cos, sin)`` of the last ``keep`` positions, one for all layers of a cache.
-
-    ``feature_input="unrotated"``: each layer derives the un-rotated keys of its local block
-    (``Wc ≤ keep`` kept positions + the ``n`` new ones) from its rotated keys; the rotations of
-    those positions are identical in every layer, so they are kept here once. ``cos``/``sin`` are
-    ``[Bc, Lr, Dr]`` (``Lr ≤ keep``; ``Bc`` is 1 when every row has the same positions, else the
-    batch). In each forward the first layer that reaches the new length appends the forward's
-    rotations (:meth:`local`); the later layers of that forward read the same local block; the
-    ring then keeps the last ``keep`` positions only. ``users`` is the number of layers sharing it
-    (the transient local block is dropped once all of them read it).
-    """
-
-    def __init__(self, keep: int, users: int = 1) -> None:
-        self.keep = int(keep)
-        self.users = int(users)
-        self.reset()
-
-    def reset(self) -> None:
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-        self.end = 0  # positions covered: [end - Lr, end)
-        self._block: tuple | None = None  # (p0, n, cos, sin, reads) of the current forward
-
-    def __len__(self) -> int:
-        return 0 if self.cos is None else self.cos.shape[1]
-
-    def local(self, p0: int, n: int, wc: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotations ``[Bc, wc + n, Dr]`` of positions ``p0 - wc … p0 + n - 1``: the layer's kept
-        window (``wc`` positions) and the forward's new tokens, whose ``cos``/``sin`` ``[B or 1, n, Dr]``
-        come from the attention module (the same in every layer)."""
-        blk = self._block
-        if blk is None or blk[0] != p0 or blk[1] != n:
-            if self.end != p0:
-                raise RuntimeError(
-                    f"RFACache rotary ring out of step: it covers positions up to {self.end}, a layer continues at {p0} "
-                    "(feature_input='unrotated' needs every layer of the cache to see every forward)"
-                )
-            if tuple(cos.shape[:2]) != tuple(sin.shape[:2]) or cos.shape[1] != n:
-                raise ValueError(f"the rotary embedding covers {cos.shape[1]} positions, the forward has {n} new tokens")
-            if self.cos is None:
-                bc, bs = cos, sin
-            else:
-                if self.cos.shape[-1] != cos.shape[-1]:
-                    raise ValueError(f"rotary dim changed between forwards: {self.cos.shape[-1]} then {cos.shape[-1]}")
-                rows = max(self.cos.shape[0], cos.shape[0])
-                if {self.cos.shape[0], cos.shape[0]} - {1, rows}:
-                    raise ValueError(f"rotary embedding of batch {cos.shape[0]} does not continue the cache's batch {self.cos.shape[0]}")
-                bc = torch.cat([self.cos.to(cos.dtype).expand(rows, -1, -1), cos.expand(rows, -1, -1)], dim=1)
-                bs = torch.cat([self.sin.to(sin.dtype).expand(rows, -1, -1), sin.expand(rows, -1, -1)], dim=1)
-            blk = self._block = [p0, n, bc, bs, 0]
-            keep = min(self.keep, bc.shape[1])
-            self.cos, self.sin = bc[:, bc.shape[1] - keep:].clone(), bs[:, bs.shape[1] - keep:].clone()
-            self.end = p0 + n
-        bc, bs = blk[2], blk[3]
-        if wc + n > bc.shape[1]:
-            raise RuntimeError(f"RFACache rotary ring keeps {bc.shape[1] - n} past positions but a layer keeps a window of {wc} (ring keep={self.keep})")
-        blk[4] += 1
-        if blk[4] >= self.users:  # every layer of this forward has read it
-            self._block = None
-        return bc[:, bc.shape[1] - wc - n:], bs[:, bs.shape[1] - wc - n:]
-
-    def map_batch(self, fn) -> None:
-        """Beam search / batch selection: ``fn`` on the batch axis (a ring shared by all rows stays)."""
-        self._block = None
-        if self.cos is not None and self.cos.shape[0] > 1:
-            self.cos, self.sin = fn(self.cos), fn(self.sin)
-
-    def nbytes(self) -> int:
-        return 0 if self.cos is None else 2 * self.cos.numel() * self.cos.element_size()
 
 
 class RFACacheLayer(CacheLayerMixin):
@@ -148,14 +83,17 @@ class RFACacheLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, ring: RopeRing | None = None, **kwargs) -> None:
+    def __init__(self, ring: RopeRing | None = None, table: RopeTable | None = None, **kwargs) -> None:
         super().__init__()
         self.state: DecodeState | MemoryState | None = None
         self.cumulative_length = 0
         self._pending = False
-        #: the rotations of the last W positions, shared by the layers of an RFACache (one of
-        #: its own when None and a layer un-rotates); not part of this layer's nbytes()
+        #: the rotations of the last W (with a memory W + memory_every) positions, shared by the
+        #: layers of an RFACache (one of its own when None and a layer un-rotates); not part of
+        #: this layer's nbytes()
         self.ring = ring
+        #: the rotations of any past position for the memory's keys (shared like the ring)
+        self.table = table
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -209,8 +147,8 @@ class RFACacheLayer(CacheLayerMixin):
         layer keeps the rotated window only and un-rotates its local block with the cache's shared
         :class:`RopeRing` (what ``RFAAttention`` passes). Or ``feature_q`` with ``feature_k``
         (any feature keys): the state then keeps a copy of the window's (``DecodeState.win_kf``).
-        With an exact memory (``memory > 0``) the new keys are un-rotated with ``rope`` at once and
-        the state keeps the feature keys of its buffer and memory (``MemoryState.mem_kf``).
+        With an exact memory (``memory > 0``) the new keys are un-rotated with ``rope`` at once; the
+        buffer's and the memory's are un-rotated where a call reads them (:meth:`_attend_memory`).
         """
         if not causal:
             raise ValueError("RFACache holds the state of causal attention; this layer is bidirectional (is_causal=False)")
@@ -225,7 +163,7 @@ class RFACacheLayer(CacheLayerMixin):
             if memory > 0:  # exact global memory: its own state (ops.memory), at most `memory` keys per kv head
                 self.state = MemoryState.empty(
                     (b, hkv, d, value.shape[-1], fm.feature_dim), rfa.sinks, memory, key.dtype, key.device, compute_dtype=ct,
-                    feature_keys=feature_q is not None,  # un-rotated keys of the buffer and the memory
+                    feature_keys=feature_q is not None and (rope is None or not self._derives(rfa, attention_mask, key, rope)),
                 )
             else:
                 self.state = DecodeState.empty(
@@ -238,14 +176,12 @@ class RFACacheLayer(CacheLayerMixin):
                 f"update counted {self.cumulative_length}"
             )
         if memory > 0:
-            if rope is not None:  # the new keys un-rotated with their own (cos, sin)
-                feature_k = unrotate(key, *rope)
             settings = MemoryCall(
                 window=rfa.window, sinks=rfa.sinks, memory=memory, memory_every=rfa.memory_every, scale=scale,
                 chunk_size=rfa.chunk_size, memory_score=getattr(rfa, "memory_score", "value_norm"),
                 distance=getattr(rfa, "memory_distance", 0), far_rope=getattr(rfa, "memory_rope", None),
             )
-            out, self.state = continue_memory_attention(self.state, query, key, value, fm, attention_mask, settings, (feature_q, feature_k))
+            out = self._attend_memory(rfa, (query, key, value), attention_mask, settings, (feature_q, feature_k), rope)
             self._pending = False
             return out
         key_fn = None
@@ -260,6 +196,50 @@ class RFACacheLayer(CacheLayerMixin):
         settings = DecodeCall(window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend)
         out, self.state = continue_attention(self.state, query, key, value, fm, attention_mask, settings, (feature_q, feature_k, key_fn))
         self._pending = False
+        return out
+
+    def _shared(self, rfa) -> tuple[RopeRing, RopeTable]:
+        """The ring (covering a memory's buffer) and table, of the cache or of this layer alone."""
+        if self.ring is None:
+            self.ring = RopeRing(rfa.window + rfa.memory_every)
+        if self.table is None:
+            self.table = RopeTable()
+        return self.ring, self.table
+
+    def _derives(self, rfa, attention_mask, key, rope) -> bool:
+        """Whether this forward's memory layer may derive its kept keys' feature inputs (the shared
+        table reproduces the model's rotations; observed once per forward)."""
+        _, table = self._shared(rfa)
+        return table.observe(self.cumulative_length - key.shape[2], key.shape[2], attention_mask, *rope, tuple(getattr(rfa, "rotary", ())))
+
+    def _attend_memory(self, rfa, qkv: tuple, attention_mask, settings: MemoryCall, features: tuple, rope) -> torch.Tensor:
+        """The attention of a layer with an exact memory (:meth:`attend`'s arguments). With ``rope``
+        the state keeps the rotated keys only while the table holds (:class:`RopeTable`): the
+        buffer's are un-rotated with the ring's rotations, the memory's with the table's, where a
+        call reads them; once it does not, the layer keeps copies again (derived one last time)."""
+        query, key, value = qkv
+        feature_q, feature_k = features
+        key_fn = None
+        if rope is not None:
+            feature_k = unrotate(key, *rope)  # the new keys un-rotated with their own (cos, sin)
+            ring, table = self._shared(rfa)
+            lb = self.state.base.win_k.shape[2]
+            cos, sin = ring.local(self.state.seen, key.shape[2], lb, *rope)
+            dtype = rope[0].dtype
+
+            def derived(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                if positions.dim() == 1:  # the buffer: the ring's rotations
+                    return unrotate(keys, cos[:, :lb], sin[:, :lb])
+                b, h, m, d = keys.shape  # the memory: positions [B, Hkv, M]
+                c, s = table.rotations(positions.reshape(positions.shape[0], -1), dtype)
+                return unrotate(keys.reshape(b, 1, h * m, d), c, s).reshape(b, h, m, d)
+
+            if self.state.mem_kf is None:
+                if self._derives(rfa, attention_mask, key, rope):
+                    key_fn = derived
+                else:  # copies from now on
+                    self.state = derive_feature_keys(self.state, derived)
+        out, self.state = continue_memory_attention(self.state, query, key, value, rfa.feature_map, attention_mask, settings, (feature_q, feature_k, key_fn))
         return out
 
     # ---- bookkeeping transformers calls ---------------------------------------------------------
@@ -334,25 +314,31 @@ class RFACache(Cache):
             raise ValueError(f"num_hidden_layers: cannot read the number of layers from {type(config).__name__}")
         converted = [i for i in range(n_layers) if rfa_cfg.converts_layer(i)]
         #: the rotations of the last W positions, one for all layers (feature_input="unrotated")
-        self.rope_ring = RopeRing(rfa_cfg.window, users=len(converted))
-        layers = [RFACacheLayer(ring=self.rope_ring) if i in converted else DynamicLayer() for i in range(n_layers)]
+        self.rope_ring = RopeRing(rfa_cfg.window + (rfa_cfg.memory_every if rfa_cfg.any_memory else 0), users=len(converted))
+        #: the rotations of any past position, for the memory's keys (one for all layers)
+        self.rope_table = RopeTable()
+        layers = [RFACacheLayer(ring=self.rope_ring, table=self.rope_table) if i in converted else DynamicLayer() for i in range(n_layers)]
         super().__init__(layers=layers)
 
     def reset(self) -> None:
         super().reset()
         self.rope_ring.reset()
+        self.rope_table.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.rope_ring.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self.rope_table.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.rope_ring.map_batch(lambda t: t[indices])
+        self.rope_table.map_batch(lambda t: t[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self.rope_ring.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.rope_table.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def ring_nbytes(self) -> int:
         """Bytes of the shared rotary ring (0 unless ``feature_input="unrotated"``)."""

@@ -245,8 +245,9 @@ RUNTIME_FIELDS = ("window", "sinks", "memory", "memory_every", "memory_score", "
 
 def _attach_memory_rope(model: nn.Module, config: RFAConfig) -> None:
     """Give every converted layer the model's rotary embedding, which its ``memory_rope`` reads at
-    ``memory_distance`` when first needed (the weights may still be on the meta device here)."""
-    rotary = rotary_modules(model) if config.memory_distance > 0 else ()
+    ``memory_distance`` when first needed and an ``RFACache`` recomputes its memory keys'
+    rotations with (the weights may still be on the meta device here)."""
+    rotary = rotary_modules(model)  # (also what an RFACache recomputes its memory keys' rotations with)
     if config.memory_distance > 0 and not rotary:
         raise ValueError(f"memory_distance={config.memory_distance}: {type(model).__name__} has no rotary embedding module (*RotaryEmbedding) to rotate by")
     for module in model.modules():

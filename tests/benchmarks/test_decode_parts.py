@@ -1,4 +1,5 @@
-"""benchmarks/decode.py: the cache bytes by part add up to the cache's bytes."""
+"""benchmarks/decode.py: the cache bytes by part add up to the cache's bytes; the recipe keeps no
+un-rotated copies of its keys, only the rotations of its buffer's positions, once."""
 
 import importlib.util
 import sys
@@ -32,5 +33,6 @@ def test_state_parts_add_up_to_the_cache_bytes():
     recipe, window = parts[names[0]], parts[names[1]]
     # 128 memory keys + the buffer, each key and value 64 float32 per kv head (3)
     assert recipe["exact keys and values"] == window["exact keys and values"] >= 2 * 3 * 128 * 64 * 4
-    assert recipe["un-rotated key copies"] > 0 and window["un-rotated key copies"] == 0
+    assert recipe["un-rotated key copies"] == window["un-rotated key copies"] == 0  # derived from the rotated keys
+    assert recipe["rotary ring"] == 2 * (64 + 64) * 64 * 4 and window["rotary ring"] == 0  # cos, sin of W + memory_every positions, once
     assert recipe["feature state"] >= 3 * 128 * 64 * 4 and window["feature state"] == 0

@@ -90,3 +90,47 @@ def test_continuation_equals_full_forward(score, splits):
     assert state.mem_kf is not None and state.base.win_kf.shape[2] <= 5 + 8
     with pytest.raises(ValueError, match="exactly when the state keeps feature keys"):
         continue_memory_attention(state, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm, mask[:, :1], MemoryCall(chunk_size=8, **kw))
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_derived_feature_keys_equal_kept_copies(score):
+    """A state without copies of its keys' feature inputs (``key_fn`` derives them from the kept
+    keys and their positions where a call reads them) gives the same outputs, bit for bit, and the
+    same state less the copies, as one that keeps them; the memory's are derived only for calls
+    that refresh it (in their place the others carry the rotated keys, which would change the
+    outputs if they were read)."""
+    q, k, v, mask, rope = _inputs(3)
+    fm = _map()
+    fq, fk = unrotate(q, *rope), unrotate(k, *rope)
+    kw = dict(window=5, sinks=2, memory=4, memory_every=8, memory_score=score)
+    settings = MemoryCall(chunk_size=8, **kw)
+    kept = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 2, 4, torch.float32, feature_keys=True)
+    derived = MemoryState.empty((B, HKV, D, D, fm.feature_dim), 2, 4, torch.float32, feature_keys=False)
+    memory_reads = []
+
+    def key_fn(keys, positions):  # the rotations of positions [L] (buffer) or [B, Hkv, M] (memory)
+        cos, sin = rope
+        if positions.dim() == 1:
+            return unrotate(keys, cos[:, positions], sin[:, positions])
+        memory_reads.append(int(positions.max()))
+        b, h, m, d = keys.shape
+        flat = positions.reshape(b, h * m)
+        return unrotate(keys.reshape(b, 1, h * m, d), cos[0][flat], sin[0][flat]).reshape(b, h, m, d)
+
+    i = 0
+    for s in [17, 3] + [1] * (N - 20):
+        sl = slice(i, i + s)
+        args = (q[:, :, sl], k[:, :, sl], v[:, :, sl], fm, mask[:, sl], settings)
+        o1, kept = continue_memory_attention(kept, *args, (fq[:, :, sl], fk[:, :, sl]))
+        o2, derived = continue_memory_attention(derived, *args, (fq[:, :, sl], fk[:, :, sl], key_fn))
+        assert torch.equal(o1, o2), i
+        i += s
+    assert derived.mem_kf is None and derived.base.win_kf is None
+    for name, t in derived.tensors().items():
+        assert torch.equal(t, kept.tensors()[name]), name
+    assert kept.nbytes() - derived.nbytes() == (kept.mem_kf.numel() + kept.base.win_kf.numel()) * 4
+    assert 2 <= len(memory_reads) <= (N - 17) // 8 + 2  # the refreshes only, not every step
+    with pytest.raises(ValueError, match="build it with MemoryState.empty"):
+        continue_memory_attention(kept, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm, mask[:, :1], settings, (fq[:, :, :1], fk[:, :, :1], key_fn))
+    with pytest.raises(ValueError, match="feature_k must be given"):
+        continue_memory_attention(derived, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm, mask[:, :1], settings, (None, None, key_fn))

@@ -124,11 +124,11 @@ def memory_attention(
 
 def _check(state, q, k, v, feature_map, attention_mask, settings: MemoryCall, features: tuple):
     """Arguments of :func:`continue_memory_attention` (its settings as one :class:`MemoryCall`,
-    ``features = (feature_q, feature_k)``) against each other and the state (ValueError naming the
-    argument); returns ``(B, H, n, D, Hkv, Dv)``."""
+    ``features = (feature_q, feature_k, key_fn)``) against each other and the state (ValueError
+    naming the argument); returns ``(B, H, n, D, Hkv, Dv)``."""
     window, sinks, memory, memory_every, scale = settings.window, settings.sinks, settings.memory, settings.memory_every, settings.scale
     chunk_size, memory_score = settings.chunk_size, settings.memory_score
-    feature_q, feature_k = features
+    feature_q, feature_k, key_fn = features
     check_far(settings.distance, settings.far_rope, q.shape[-1], feature_k is not None)
     if not isinstance(state, MemoryState):
         raise ValueError(f"state must be a MemoryState (MemoryState.empty before the first token), got {type(state).__name__}")
@@ -157,7 +157,14 @@ def _check(state, q, k, v, feature_map, attention_mask, settings: MemoryCall, fe
     if state.memory != memory:
         raise ValueError(f"state keeps memory={state.memory} slots but memory={memory}")
     check_feature_inputs(q, k, feature_q, feature_k)
-    if (feature_k is None) != (state.mem_kf is None):
+    if key_fn is not None:
+        if not callable(key_fn):
+            raise ValueError(f"key_fn must be a callable (keys [B, Hkv, L, D], positions) -> [B, Hkv, L, D] or None, got {type(key_fn).__name__}")
+        if feature_k is None:
+            raise ValueError("key_fn derives the kept keys' feature inputs; the new tokens' feature_q and feature_k must be given with it")
+        if state.mem_kf is not None or state.base.win_kf is not None:
+            raise ValueError("key_fn: the state keeps feature keys (mem_kf); build it with MemoryState.empty(feature_keys=False)")
+    elif (feature_k is None) != (state.mem_kf is None):
         raise ValueError(
             "feature_q/feature_k must be given exactly when the state keeps feature keys "
             f"(MemoryState.empty(feature_keys=True)); state keeps them: {state.mem_kf is not None}, given: {feature_k is not None}"
@@ -178,7 +185,7 @@ def continue_memory_attention(
     feature_map,
     attention_mask: torch.Tensor | None = None,
     settings: MemoryCall | None = None,
-    features: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    features: tuple = (None, None),
 ) -> tuple[torch.Tensor, MemoryState]:
     """Causal attention of ``n`` new tokens with an exact memory, given the summarised past —
     :func:`hf_rfa.ops.decode.continue_attention` for ``memory > 0`` (the same robustness: checks
@@ -192,15 +199,25 @@ def continue_memory_attention(
     prefill's and ignored here). Any split of a sequence into calls gives the outputs of one
     :func:`memory_attention` over it (up to float rounding). ``features = (feature_q,
     feature_k)`` (shapes of q/k): the feature part's inputs, given at every call exactly when the
-    state was built with ``feature_keys=True``.
+    state was built with ``feature_keys=True``. Or ``(feature_q, feature_k, key_fn)`` with a state
+    built with ``feature_keys=False``: the state keeps no copy of its keys' feature inputs, and
+    ``key_fn(keys, positions)`` derives them from the kept keys where a call reads them
+    (:func:`derive_feature_keys`) — the same outputs and states as the kept copies when ``key_fn``
+    returns what ``feature_k`` was for those positions.
     """
     if settings is not None and not isinstance(settings, MemoryCall):
         raise ValueError(f"settings must be a MemoryCall (window, sinks, memory, memory_every, scale, chunk_size, memory_score) or None, got {type(settings).__name__}")
     settings = replace(MemoryCall() if settings is None else settings, native_band=False)
-    scale, (feature_q, feature_k) = settings.scale, features
-    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, settings, (feature_q, feature_k))
+    if not isinstance(features, (tuple, list)) or len(features) not in (2, 3):
+        raise ValueError(f"features must be (feature_q, feature_k) or (feature_q, feature_k, key_fn), got {type(features).__name__} of length {len(features) if isinstance(features, (tuple, list)) else '-'}")
+    scale, (feature_q, feature_k, key_fn) = settings.scale, (*features, None)[:3]
+    b, h, n, d, hkv, dv = _check(state, q, k, v, feature_map, attention_mask, settings, (feature_q, feature_k, key_fn))
     if b == 0 or n == 0:
         return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
+    if key_fn is not None:  # the kept keys' feature inputs for this call only; the new state keeps none
+        full = derive_feature_keys(state, key_fn, settings, n)
+        out, new = continue_memory_attention(full, q, k, v, feature_map, attention_mask, settings, (feature_q, feature_k))
+        return out, replace(new, mem_kf=None, base=replace(new.base, win_kf=None))
     settings = replace(settings, scale=d**-0.5 if scale is None else float(scale))
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
@@ -213,4 +230,38 @@ def continue_memory_attention(
     return to_output_dtype(out, q.dtype), new
 
 
-__all__ = ["MAX_MEMORY", "MEMORY_SCORES", "MemoryCall", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
+def reads_memory_features(state: MemoryState, settings: MemoryCall, n: int) -> bool:
+    """Whether a call of ``n`` new tokens reads the feature inputs of the memory's keys: it
+    refreshes the memory (a displaced key is folded), runs the period-parallel form, or reads keys
+    beyond ``settings.distance``. Otherwise only the buffer's are read."""
+    p0, lb, e = state.seen, state.base.win_k.shape[2], settings.memory_every
+    start = max(p0, settings.window + p0 - lb)  # a refresh at a > W + pos0 - 1 has a candidate
+    refresh = -(-start // e) * e < p0 + n
+    far = settings.distance > 0 and p0 + n - 1 > settings.distance
+    return refresh or far or n > e
+
+
+def derive_feature_keys(state: MemoryState, key_fn, settings: MemoryCall | None = None, n: int = 0) -> MemoryState:
+    """``state`` (built with ``feature_keys=False``) with the feature inputs of its buffer
+    (``win_kf``, positions ``[seen − Lb, seen)`` as a 1-D tensor) and of its memory (``mem_kf``,
+    positions ``mem_pos`` ``[B, Hkv, M]``) derived by ``key_fn(keys, positions)``, in the keys'
+    dtype as kept copies are: a state that keeps them (``settings`` None), or for one call of ``n``
+    tokens, which gets the memory's only when it reads them (:func:`reads_memory_features`;
+    otherwise the memory's keys in their place: carried through the call, never read)."""
+    base = state.base
+    lb = base.win_k.shape[2]
+    pos = torch.arange(state.seen - lb, state.seen, device=base.win_k.device)
+    win_kf = _derived(key_fn, base.win_k, pos)
+    reads = settings is None or reads_memory_features(state, settings, n)
+    mem_kf = _derived(key_fn, state.mem_k, state.mem_pos) if reads else state.mem_k
+    return replace(state, mem_kf=mem_kf, base=replace(base, win_kf=win_kf))
+
+
+def _derived(key_fn, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    out = key_fn(keys, positions)
+    if not isinstance(out, torch.Tensor) or out.shape != keys.shape or not out.is_floating_point():
+        raise ValueError(f"key_fn must return a floating tensor of the kept keys' shape {tuple(keys.shape)}, got {tuple(getattr(out, 'shape', ()))}")
+    return out.to(keys.dtype)
+
+
+__all__ = ["MAX_MEMORY", "derive_feature_keys", "reads_memory_features", "MEMORY_SCORES", "MemoryCall", "MemoryState", "feature_error", "check_memory_args", "continue_memory_attention", "memory_attention", "value_norm"]
