@@ -28,6 +28,9 @@ import torch
 
 import hf_rfa
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from downstream_table import cpu_name  # noqa: E402 - the sibling script's (lscpu's model name)
+
 logger = logging.getLogger("benchmarks.decode")
 
 #: the recall preset's attention (hf_rfa.presets)
@@ -147,7 +150,7 @@ def report(results: dict, args) -> str:
         "# Decode latency and cache size vs context (CPU)",
         "",
         f"Llama with SmolLM2-135M shapes (hidden 576, 9 heads, 3 kv heads, head dim 64, MLP 1536, vocab 49152), "
-        f"**{args.layers} layers** (SmolLM2 has 30), random weights, fp32, batch 1, torch threads={torch.get_num_threads()}. "
+        f"**{args.layers} layers** (SmolLM2 has 30), random weights, fp32, batch 1, {cpu_name()}, torch threads={torch.get_num_threads()}. "
         f"Median of {args.steps} single-token decode steps after prefilling the context in chunks of {args.chunk}; "
         "models timed alternately step by step. Command: `python benchmarks/decode.py"
         + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "") + "`.",
