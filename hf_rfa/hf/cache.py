@@ -94,6 +94,7 @@ class RFACacheLayer(CacheLayerMixin):
         self.ring = ring
         #: the rotations of any past position for the memory's keys (shared like the ring)
         self.table = table
+        self._owns_rotations = ring is None and table is None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -256,10 +257,16 @@ class RFACacheLayer(CacheLayerMixin):
         self.state = None
         self.cumulative_length = 0
         self._pending = False
+        if self._owns_rotations:  # (an RFACache resets the ring and table it shares)
+            self.ring = self.table = None
 
     def _map_batch(self, fn) -> None:
         if self.state is not None:
             self.state = self.state.map_batch(fn)
+        if self._owns_rotations:
+            for shared in (self.ring, self.table):
+                if shared is not None:
+                    shared.map_batch(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
