@@ -31,17 +31,18 @@ GRID = HERE.parents[1] / "benchmarks" / "results" / "grid_smollm2_v0.2.0.json"
 EXACT = 320  # window + memory per kv head on average (the 4 sinks come on top: 324 exact keys per query)
 
 
-def sizes(model: Path, window: int, floor: float) -> list[int]:
-    """The per-layer memory sizes of window ``window`` at ``EXACT`` exact keys, from the induction
-    shares the conversion measured (``report.json``'s ``memory_split``)."""
-    if not 0 <= window <= EXACT:
-        raise ValueError(f"--window must be in [0, {EXACT}], got {window}")
+def sizes(model: Path, window: int, floor: float, exact: int = EXACT) -> list[int]:
+    """The per-layer memory sizes of window ``window`` at ``exact`` exact keys (window + memory per
+    kv head on average), from the induction shares the conversion measured (``report.json``'s
+    ``memory_split``)."""
+    if not 0 <= window <= exact:
+        raise ValueError(f"--window must be in [0, --exact={exact}], got {window}")
     if not (model / "report.json").is_file():
         raise ValueError(f"--model {model} has no report.json: give the folder of a conversion (make main's out/smollm2-135m-rfa)")
     report = json.loads((model / "report.json").read_text())
     if "memory_split" not in report:
         raise ValueError(f"{model}/report.json has no memory_split: convert with --memory-split induction")
-    return layer_sizes(report["memory_split"]["induction"], EXACT - window, floor)
+    return layer_sizes(report["memory_split"]["induction"], exact - window, floor)
 
 
 def collect(specs: list[str], out: Path, add: bool = False) -> dict:
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", help="'sizes', or 'collect' then LABEL@TEXT=FILE.json results")
     p.add_argument("--model", default="out/smollm2-135m-rfa", help="sizes: the converted model (its report.json)")
-    p.add_argument("--window", type=int, default=192, help="sizes: the window W (memory 320 - W on average)")
+    p.add_argument("--window", type=int, default=192, help="sizes: the window W (memory EXACT - W on average)")
+    p.add_argument("--exact", type=int, default=EXACT, help="sizes: window + memory per kv head on average (320: the recipe's; fewer: the recipe's decode-state bytes with its feature state counted as keys)")
     p.add_argument("--floor", type=float, default=0.625, help="sizes: keys every layer keeps, a share of the average")
     p.add_argument("--out", default=str(KEPT), help="collect: the kept file to write")
     p.add_argument("--add", action="store_true", help="collect: keep the rows the kept file holds and add these")
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     try:
         if a.runs[:1] == ["sizes"]:
-            s = ",".join(map(str, sizes(Path(a.model), a.window, a.floor)))
-            rfa = f"--rfa window={a.window} memory_per_layer={s}" if a.window < EXACT else f"--rfa window={a.window} memory=0 memory_per_layer=none"
+            s = ",".join(map(str, sizes(Path(a.model), a.window, a.floor, a.exact)))
+            rfa = f"--rfa window={a.window} memory_per_layer={s}" if a.window < a.exact else f"--rfa window={a.window} memory=0 memory_per_layer=none"
             for task in ("--context 4096 --max-tokens 32768", "--context 8192 --max-tokens 32768", "--task copy --gap 512 --draws 8"):
                 print(f"hf-rfa-evaluate --model {a.model} --text wikipedia:eval {task} {rfa} --no-progress --output RUN.json")
             return
