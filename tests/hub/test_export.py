@@ -154,6 +154,7 @@ CHILD = textwrap.dedent(
             with torch.no_grad():
                 gen = model.generate(data["ids"][:1], max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
             results[name]["cache"] = type(gen.past_key_values).__name__
+            results[name]["key_copies"] = [getattr(getattr(layer, "state", None), "mem_kf", None) is not None for layer in gen.past_key_values.layers]
             results[name]["tokens"] = gen.sequences
     torch.save(results, sys.argv[2])
     '''
@@ -199,7 +200,9 @@ def test_remote_load_warns_about_no_missing_kernel_source(remote):
 
 def test_remote_generate_uses_the_constant_memory_cache(remote):
     models, inputs, results, _ = remote
-    for name in ("llama_gqa_favor_window_sinks", "gpt2_hedgehog_window", "llama_favor_memory"):
+    # (the un-rotated memory keeps no copies of its keys through remote code either)
+    assert results["llama_hedgehog_memory_distance"]["key_copies"] == [False] * models["llama_hedgehog_memory_distance"].config.num_hidden_layers
+    for name in ("llama_gqa_favor_window_sinks", "gpt2_hedgehog_window", "llama_favor_memory", "llama_hedgehog_memory_distance"):
         assert results[name]["cache"] == "RFACache", results[name]
         ids = inputs[name][0][:1]
         with torch.no_grad():
