@@ -56,6 +56,8 @@ VARIANTS = {
     # induction_split.py), and the equal-state window-only W320 baseline
     "rfa hedgehog m=64 W=192 S=4 decay=128 unrotated memory=128 feature_error": {**RECALL, "window": 192, "memory": 128, "memory_every": 64},
     "rfa hedgehog m=64 W=320 S=4 decay=128 unrotated": {**RECALL, "window": 320},
+    # the recall preset with the memory that makes its cache the window-only W320's bytes
+    "rfa hedgehog m=64 W=64 S=4 decay=128 unrotated memory=160 feature_error": {**RECALL, "memory": 160, "memory_every": 64},
     "window-only W=320 S=4": dict(feature_map="none", window=320, sinks=4),
 }
 
