@@ -118,3 +118,14 @@ def test_the_table_refuses_what_it_cannot_reproduce():
             return rot(x, position_ids)
 
     assert not RopeTable().observe(0, 6, None, cos, sin, (Dynamic(),))
+
+
+def test_bfloat16_weights_decode_without_copies_as_with_them():
+    """bf16 weights: the rotations are bf16 and the kept keys too; the derived keys are rounded
+    as the copies were."""
+    model = _model().to(torch.bfloat16)
+    ids = _ids(n=30)
+    derived, cache = _decode(model, ids, copies=False)
+    kept, _ = _decode(model, ids, copies=True)
+    assert cache.rope_table.ok and cache.layers[0].state.mem_kf is None
+    assert torch.equal(derived, kept)
