@@ -142,6 +142,8 @@ class RopeTable:
         km = torch.ones(b, n, dtype=torch.bool, device=cos.device) if mask is None else mask.to(cos.device).bool()
         offsets = self.offsets if self.offsets is not None else torch.zeros(b, dtype=torch.long, device=cos.device)
         started = self.started if self.started is not None else torch.zeros(b, dtype=torch.bool, device=cos.device)
+        if offsets.shape[0] == 1 and b > 1:  # rows told apart from now on (so far the same for all)
+            offsets, started = offsets.expand(b).clone(), started.expand(b).clone()
         if offsets.shape[0] != b:
             return self._stop(f"batch {b} does not continue the table's batch {offsets.shape[0]}")
         begun = started[:, None] | (km.long().cumsum(-1) > 0)

@@ -129,3 +129,13 @@ def test_bfloat16_weights_decode_without_copies_as_with_them():
     kept, _ = _decode(model, ids, copies=True)
     assert cache.rope_table.ok and cache.layers[0].state.mem_kf is None
     assert torch.equal(derived, kept)
+
+
+def test_a_table_of_one_row_continues_with_a_padded_batch():
+    rot = tiny_model("llama").model.rotary_emb
+    table = RopeTable()
+    cos, sin = rot(torch.zeros(1), torch.arange(4)[None])
+    assert table.observe(0, 4, None, cos, sin, (rot,))  # no mask: one row of positions for all
+    nxt = rot(torch.zeros(1), torch.tensor([[4, 5]]))
+    assert table.observe(4, 2, torch.ones(3, 2, dtype=torch.bool), *nxt, (rot,))
+    assert table.offsets.tolist() == [0, 0, 0]
