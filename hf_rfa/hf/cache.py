@@ -190,9 +190,7 @@ class RFACacheLayer(CacheLayerMixin):
             if self.ring is None:
                 self.ring = RopeRing(rfa.window)
             cos, sin = self.ring.local(self.state.seen, key.shape[2], self.state.win_k.shape[2], *rope)
-
-            def key_fn(keys: torch.Tensor) -> torch.Tensor:  # the local block's keys, un-rotated
-                return unrotate(keys, cos, sin)
+            key_fn = lambda keys: unrotate(keys, cos, sin)  # noqa: E731 - the local block's keys, un-rotated
 
         settings = DecodeCall(window=rfa.window, sinks=rfa.sinks, scale=scale, chunk_size=rfa.chunk_size, backend=rfa.backend)
         out, self.state = continue_attention(self.state, query, key, value, fm, attention_mask, settings, (feature_q, feature_k, key_fn))

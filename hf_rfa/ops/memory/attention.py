@@ -215,16 +215,16 @@ def continue_memory_attention(
     if b == 0 or n == 0:
         return q.new_zeros(b, h, n, dv), replace(state, base=replace(state.base, seen=state.seen + n))
     if key_fn is not None:  # the kept keys' feature inputs for this call only; the new state keeps none
-        full = derive_feature_keys(state, key_fn, settings, n)
-        out, new = continue_memory_attention(full, q, k, v, feature_map, attention_mask, settings, (feature_q, feature_k))
-        return out, replace(new, mem_kf=None, base=replace(new.base, win_kf=None))
+        state = derive_feature_keys(state, key_fn, settings, n)
     settings = replace(settings, scale=d**-0.5 if scale is None else float(scale))
     km = torch.ones(b, n, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.to(q.device).bool()
     q, k, v, poison, nonfinite = guard_continuation(q, k, v, km, state.base.nonfinite)
     if feature_q is not None:  # un-rotated q/k are non-finite where q/k are (poisoned above): kept out of the state
         feature_q, feature_k = (torch.where(torch.isfinite(x), x, torch.zeros_like(x)) for x in (feature_q, feature_k))
     out, new = _dispatch(state, q, k, v, km, feature_map, settings, (feature_q, feature_k))
-    new = replace(new, base=replace(new.base, nonfinite=nonfinite))
+    new = replace(new, base=replace(new.base, nonfinite=nonfinite, win_kf=None if key_fn is not None else new.base.win_kf))
+    if key_fn is not None:
+        new = replace(new, mem_kf=None)
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return to_output_dtype(out, q.dtype), new
