@@ -132,7 +132,7 @@ class RopeTable:
         while the table reproduces every checked forward's rotations."""
         if not self.ok:
             return False
-        if self._last == (p0, n) and self.end == p0 + n:
+        if self._last == (p0, n):  # a later layer of the forward already checked
             return True
         if p0 != self.end:
             return self._stop(f"a layer continues at position {p0}, the table covers {self.end}")

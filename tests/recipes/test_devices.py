@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -18,34 +17,16 @@ from hf_rfa.cli import config_from_args
 from hf_rfa.recipes.conversion import devices, pipeline, transfer
 from hf_rfa.recipes.conversion.config import ConversionConfig
 from hf_rfa.recipes.conversion.loading import load_model
+from conversion_runs import word_text, word_tokenizer
 from tiny_models import VOCAB, tiny_model
-
-WORDS = [f"w{i}" for i in range(VOCAB - 3)]
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]", eos_token="[PAD]")
-
-
-def _text(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    phrases = [" ".join(rng.choice(WORDS) for _ in range(6)) for _ in range(20)]
-    return "\n".join(" ".join(rng.choice(phrases) for _ in range(8)) for _ in range(n // 48 + 1))
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_dev")
     tiny_model("llama").save_pretrained(root / "llama")
-    _tokenizer().save_pretrained(root / "llama")
-    (root / "cal.txt").write_text(_text(2000, 0))
-    (root / "eval.txt").write_text(_text(2000, 1))
+    word_tokenizer().save_pretrained(root / "llama")
+    (root / "cal.txt").write_text(word_text(2000, 0))
+    (root / "eval.txt").write_text(word_text(2000, 1))
     return {"llama": str(root / "llama"), "cal": str(root / "cal.txt"), "eval": str(root / "eval.txt")}
 
 
@@ -322,7 +303,7 @@ def test_a_cast_load_does_not_hold_the_float32_file(tmp_path):
     cfg = LlamaConfig(vocab_size=1000, hidden_size=768, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=12,
                       num_key_value_heads=12, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
-    _tokenizer().save_pretrained(tmp_path / "m")
+    word_tokenizer().save_pretrained(tmp_path / "m")
     peaks = {}
     for how in ("mapped", "read"):
         out = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "m"), how], capture_output=True, text=True, check=True)

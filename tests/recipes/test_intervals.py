@@ -214,21 +214,16 @@ def test_bbc_news_is_a_text_source(monkeypatch):
 
 
 # --------------------------------------------------------------------------- the grid and hf-rfa-evaluate
-WORDS = [f"w{i}" for i in range(VOCAB - 3)]
+from conversion_runs import WORDS  # noqa: E402 - the word-level tokenizer's words
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from conversion_runs import word_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_eval")
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]", eos_token="[PAD]")
     tiny_model("llama").save_pretrained(root / "llama")
-    tok.save_pretrained(root / "llama")
+    word_tokenizer().save_pretrained(root / "llama")
     rng = random.Random(0)
     for name in ("a", "b"):
         (root / f"{name}.txt").write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) + " ." for _ in range(400)))

@@ -222,9 +222,9 @@ def continue_memory_attention(
     if feature_q is not None:  # un-rotated q/k are non-finite where q/k are (poisoned above): kept out of the state
         feature_q, feature_k = (torch.where(torch.isfinite(x), x, torch.zeros_like(x)) for x in (feature_q, feature_k))
     out, new = _dispatch(state, q, k, v, km, feature_map, settings, (feature_q, feature_k))
-    new = replace(new, base=replace(new.base, nonfinite=nonfinite, win_kf=None if key_fn is not None else new.base.win_kf))
-    if key_fn is not None:
-        new = replace(new, mem_kf=None)
+    new = replace(new, base=replace(new.base, nonfinite=nonfinite))
+    if key_fn is not None:  # the derived feature inputs are not kept
+        new = replace(new, mem_kf=None, base=replace(new.base, win_kf=None))
     if poison is not None:
         out = out.masked_fill(poison[..., None], float("nan"))
     return to_output_dtype(out, q.dtype), new
