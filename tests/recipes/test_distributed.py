@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_rfa.recipes.conversion import distributed
-from test_devices import _text, _tokenizer  # noqa: F401 - the same tiny word-level tokenizer and text
+from conversion_runs import word_text, word_tokenizer  # the tiny word-level tokenizer and text
 from tiny_models import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +57,7 @@ def _convert(args: list[str], processes: int, fsdp: bool = False) -> subprocess.
 
 def _tiny_llama(tmp_path) -> str:
     tiny_model("llama").save_pretrained(tmp_path / "llama")
-    _tokenizer().save_pretrained(tmp_path / "llama")
+    word_tokenizer().save_pretrained(tmp_path / "llama")
     return str(tmp_path / "llama")
 
 
@@ -65,8 +65,8 @@ def _one_two_fsdp(tmp_path, flags: list[str], fsdp_only: list[str] = ()) -> tupl
     """The reports of one conversion of a tiny Llama (hedgehog, window 4 + 1 sink, LoRA 256 tokens,
     global batch 2, float32 training, ``flags`` on top) run in one process, in two, and in two under
     FSDP (with ``fsdp_only`` too), written under ``tmp_path`` / one, two, fsdp."""
-    (tmp_path / "cal.txt").write_text(_text(2000, 0))
-    (tmp_path / "eval.txt").write_text(_text(2000, 1))
+    (tmp_path / "cal.txt").write_text(word_text(2000, 0))
+    (tmp_path / "eval.txt").write_text(word_text(2000, 1))
     args = ["--model", _tiny_llama(tmp_path), "--preset", "favor+", "--feature-map", "hedgehog", "--num-features", "8", "--window", "4", "--sinks", "1",
             "--lora-tokens", "256", "--batch-size", "2", "--context", "32", "--eval-contexts", "32", "--error-tokens", "32", "--train-autocast", "off",
             "--generate-tokens", "0", "--no-progress", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt"), *flags]
