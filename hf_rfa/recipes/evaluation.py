@@ -166,18 +166,23 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return token_ids(tokenizer, text)
 
 
-def token_windows(ids: torch.Tensor, length: int, count: int | None = None) -> list[torch.Tensor]:
-    """Non-overlapping windows ``[length]`` of ``ids``; with ``count``, that many evenly spread
-    over the text (deterministic). ValueError when the text is shorter than one window."""
+def window_starts(n_tokens: int, length: int, count: int | None = None) -> list[int]:
+    """Token offsets of :func:`token_windows`' windows of ``length`` in a text of ``n_tokens``."""
     if length < 2:
         raise ValueError(f"context must be >= 2 tokens, got {length}")
-    total = ids.numel() // length
+    total = n_tokens // length
     if total == 0:
-        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of context={length}")
+        raise ValueError(f"text has {n_tokens} tokens, fewer than one window of context={length}")
     starts = list(range(total))
     if count is not None and count < total:
         starts = [int(i * total / count) for i in range(count)]
-    return [ids[s * length : (s + 1) * length] for s in starts]
+    return [s * length for s in starts]
+
+
+def token_windows(ids: torch.Tensor, length: int, count: int | None = None) -> list[torch.Tensor]:
+    """Non-overlapping windows ``[length]`` of ``ids``; with ``count``, that many evenly spread
+    over the text (deterministic). ValueError when the text is shorter than one window."""
+    return [ids[s : s + length] for s in window_starts(ids.numel(), length, count)]
 
 
 def shuffled_batches(ids: torch.Tensor, length: int, batch_size: int, seed: int):
@@ -233,6 +238,22 @@ def next_token_nll(model: nn.Module, x: torch.Tensor, chunk: int = NLL_CHUNK) ->
     return out
 
 
+def _prefix_nll(prefixes: dict[int, torch.Tensor] | None, start: int, context: int) -> torch.Tensor | None:
+    """The first ``context - 1`` NLLs of a forward in ``prefixes`` that began at ``start`` and was
+    at least ``context`` tokens long (None: there is none)."""
+    nll = None if prefixes is None else prefixes.get(start)
+    return nll[: context - 1] if nll is not None and nll.numel() >= context - 1 else None
+
+
+def prefix_consistent(model: nn.Module) -> bool:
+    """True unless a rotary embedding of ``model`` changes its frequencies with the sequence's length
+    (``dynamic`` / ``longrope``): then a long window's first positions are not the short window's,
+    and :func:`perplexity` must not share ``prefixes`` between contexts."""
+    from ..hf.rotations import length_dependent
+
+    return not any(length_dependent(m) for m in model.modules() if hasattr(m, "rope_type"))
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module,
@@ -242,6 +263,7 @@ def perplexity(
     progress: bool = True,
     desc: str = "perplexity",
     seed: int = 0,
+    prefixes: dict[int, torch.Tensor] | None = None,
 ) -> dict:
     """Perplexity of ``model`` on token ids ``[N]`` with non-overlapping windows of ``context``.
 
@@ -251,28 +273,40 @@ def perplexity(
     ``window_nll`` / ``window_tokens`` each window's NLL sum and predicted tokens, in window order.
     ``max_tokens`` caps the number of windows at ``max(1, max_tokens // context)``, spread evenly
     over the text.
+
+    ``prefixes`` (``{window start: per-token NLL [n-1]}``, shared by calls at several contexts on one
+    model and text; filled by each call): a window that begins where an earlier call's window of
+    at least its length began takes its NLLs from that forward's first ``context - 1`` instead of
+    running the model again, since a causal LM's first positions do not see what follows (at the
+    conversion's budgets, the 4k window is the 8k window's first half). Pass it only for a model
+    whose outputs also do not depend on the sequence's length (:func:`prefix_consistent`); the
+    figures equal separate forwards' up to float rounding.
     """
     from tqdm.auto import tqdm
 
     count = None if max_tokens is None else max(1, max_tokens // context)
-    windows = token_windows(ids, context, count)
+    starts = window_starts(ids.numel(), context, count)
     from .conversion import distributed
 
     model.eval()
     local: dict[int, tuple[float, int]] = {}  # under several processes: this one's windows, gathered below
-    for i in tqdm(distributed.window_indices(len(windows)), desc=f"{desc} @{context}", disable=not progress, leave=False):
-        x = windows[i].unsqueeze(0).to(next(model.parameters()).device)
-        local[i] = (float(next_token_nll(model, x).double().sum()), x.shape[1] - 1)
+    for i in tqdm(distributed.window_indices(len(starts)), desc=f"{desc} @{context}", disable=not progress, leave=False):
+        nll = _prefix_nll(prefixes, starts[i], context)
+        if nll is None:
+            nll = next_token_nll(model, ids[starts[i] : starts[i] + context].unsqueeze(0).to(next(model.parameters()).device))[0]
+            if prefixes is not None:
+                prefixes[starts[i]] = nll
+        local[i] = (float(nll.double().sum()), context - 1)
     from .intervals import perplexity_ci
 
     nll, n = 0.0, 0
-    sums = distributed.gather_window_sums(local, len(windows))
+    sums = distributed.gather_window_sums(local, len(starts))
     for s, k in sums:  # added in window order: the same sum on 1 or N processes
         nll += s
         n += k
     window_nll, window_tokens = [float(s) for s, _ in sums], [int(k) for _, k in sums]
     return {
-        "perplexity": math.exp(nll / n), "tokens": n, "windows": len(windows), "context": context,
+        "perplexity": math.exp(nll / n), "tokens": n, "windows": len(starts), "context": context,
         "ci95": perplexity_ci(window_nll, window_tokens, seed=seed), "window_nll": window_nll, "window_tokens": window_tokens,
     }
 
@@ -367,9 +401,11 @@ __all__ = [
     "load_labelled",
     "load_text",
     "perplexity",
+    "prefix_consistent",
     "sentence_batches",
     "sentence_embeddings",
     "shuffled_batches",
     "token_windows",
     "tokenize",
+    "window_starts",
 ]

@@ -130,6 +130,64 @@ def test_perplexity_windows_are_non_overlapping():
         token_windows(ids, 200)
 
 
+def _counting_forwards(model):
+    calls = []
+    model.model.register_forward_hook(lambda m, i, o: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("converted", [False, True])
+def test_perplexity_reads_a_shorter_window_from_a_longer_forward(converted):
+    """``prefixes``: the 128-token window at offset 0 is the first half of the 256-token one and is
+    read from its forward (one forward fewer); the figures equal separate forwards' (softmax, and
+    the recall recipe's hybrid with a decay and an exact memory re-chosen every 4 positions)."""
+    import hf_rfa
+    from hf_rfa.recipes import evaluation
+    from tiny_models import VOCAB, tiny_model
+
+    model = tiny_model("llama")
+    if converted:
+        cfg = hf_rfa.RFAConfig(feature_map="hedgehog", num_features=16, window=8, sinks=1, decay=5.0, chunk_size=16, memory=4, memory_every=4,
+                               feature_input="unrotated", memory_score="feature_error")
+        model = hf_rfa.convert(model, cfg).eval()
+    ids = torch.randint(2, VOCAB, (512,), generator=torch.Generator().manual_seed(0))
+    assert evaluation.prefix_consistent(model)
+    calls = _counting_forwards(model)
+    prefixes: dict = {}
+    long = evaluation.perplexity(model, ids, 256, 256, progress=False, prefixes=prefixes)
+    short = evaluation.perplexity(model, ids, 128, 256, progress=False, prefixes=prefixes)
+    assert len(calls) == 2 and sorted(prefixes) == [0, 256]  # 256 @0, then 128 @256 only (128 @0 was read)
+    alone = evaluation.perplexity(model, ids, 128, 256, progress=False)
+    assert len(calls) == 4 and short["window_tokens"] == alone["window_tokens"] == [127, 127]
+    assert short["window_nll"] == pytest.approx(alone["window_nll"], rel=1e-5)
+    assert short["perplexity"] == pytest.approx(alone["perplexity"], rel=1e-5)
+    assert long["window_nll"][0] != pytest.approx(short["window_nll"][0], rel=1e-3)  # the 256 window is not what was read whole
+
+
+def test_length_dependent_rotary_does_not_share_prefixes():
+    """A ``dynamic`` rotary rescales its frequencies once a sequence is longer than the model's
+    positions, so a long window's first positions are not the short window's: no sharing."""
+    import transformers as tf
+    from hf_rfa.recipes import evaluation
+    from tiny_models import VOCAB, tiny_config, tiny_model
+
+    cfg = tiny_config("llama")
+    cfg.max_position_embeddings = 64
+    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    assert not evaluation.prefix_consistent(model)
+    plain = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, 128), generator=torch.Generator().manual_seed(0))
+
+    def head_change(m):  # the first 31 NLLs: of a 128-token forward against a 32-token one
+        with torch.no_grad():
+            return float((evaluation.next_token_nll(m, ids)[0, :31] - evaluation.next_token_nll(m, ids[:, :32])[0]).abs().max())
+
+    assert head_change(plain) < 1e-5 < 1e-4 < head_change(model)
+    assert evaluation.prefix_consistent(tiny_model("llama"))
+
+
 @pytest.mark.slow
 def test_smollm2_quick_conversion_improves_over_untrained(tmp_path):
     from hf_rfa import assets

@@ -94,20 +94,28 @@ def evaluate(s: State, name: str, stage: dict | None = None, of: nn.Module | Non
 
 
 def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> None:
-    """Long-range tasks, then perplexity at every ``eval_contexts`` (the op's autograd form up to ``eval_twin_max``, its inference form above)."""
+    """Long-range tasks, then perplexity at every ``eval_contexts`` (the op's autograd form up to
+    ``eval_twin_max``, its inference form above). The longest context runs first: a shorter
+    context's window that begins where a longer one's did reads that forward's first positions
+    (:func:`~hf_rfa.recipes.evaluation.perplexity`'s ``prefixes``; not for a length-dependent rotary)."""
     cfg = s.cfg
     _long_range(s, model, name, passkey)
-    for ctx in cfg.eval_contexts:
+    shared = evaluation.prefix_consistent(model)
+    prefixes: dict[bool, dict] = {True: {}, False: {}}  # by form: the twin's and the chunked op's figures are not mixed
+    rows = {}
+    for ctx in sorted(set(cfg.eval_contexts), reverse=True):
         twin = ctx <= cfg.eval_twin_max and getattr(model.config, CONFIG_ATTR, None) is not None
         transfer.register_train()
         with calibration.attn_implementation(model, transfer.TRAIN_NAME) if twin else nullcontext():
-            r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name, seed=cfg.seed)
-        s.rows.append({
+            r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name, seed=cfg.seed,
+                                      prefixes=prefixes[twin] if shared else None)
+        rows[ctx] = {
             "variant": name, "context": ctx, "perplexity": r["perplexity"], "perplexity_ci95": r["ci95"], "eval_tokens": r["tokens"],
             "windows": r["windows"], "window_nll": r["window_nll"], "window_tokens": r["window_tokens"],
             "op": "op (autograd form)" if twin else "chunked op",
-        })
+        }
         logger.info("%s @%d: perplexity %s (%d tokens, %d windows)", name, ctx, fmt(r["perplexity"], r["ci95"]), r["tokens"], r["windows"])
+    s.rows.extend(dict(rows[ctx]) for ctx in cfg.eval_contexts)
 
 
 def classifier_scores(result: dict) -> dict:
