@@ -10,8 +10,8 @@
    its first 256, all from one teacher forward; ``--transfer-query-blocks 4``), then LoRA-tunes the model on 65,536 tokens at context
    4096 and learning rate 3e-4 (token budgets: the 30-min limits are only safety limits that fail the run). It keeps
    glibc's own heap (``--malloc-mmap-threshold 0``) and every layer's activations for LoRA's backward
-   (no ``--activation-checkpointing``): peak RSS about 5.5 GiB instead of the conversion's default
-   1.8, for two thirds of the LoRA stage's time (``benchmarks/lora_stage_memory.py``);
+   (no ``--activation-checkpointing``): the LoRA stage peaks at about 5.6 GiB instead of 1.9 with
+   both, for 0.63× its time (``benchmarks/lora_stage_memory.py``; the whole run peaks at 6.1 GiB);
 3. does the same for the **window-only baseline** (``--window-only-baseline``; ``feature_map="none"``: the
    same window and sinks, every other key dropped, its own LoRA with the same budget), the strongest
    trivial baseline;
