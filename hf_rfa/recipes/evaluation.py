@@ -173,10 +173,8 @@ def window_starts(n_tokens: int, length: int, count: int | None = None) -> list[
     total = n_tokens // length
     if total == 0:
         raise ValueError(f"text has {n_tokens} tokens, fewer than one window of context={length}")
-    starts = list(range(total))
-    if count is not None and count < total:
-        starts = [int(i * total / count) for i in range(count)]
-    return [s * length for s in starts]
+    picks = range(total) if count is None or count >= total else (int(i * total / count) for i in range(count))
+    return [s * length for s in picks]
 
 
 def token_windows(ids: torch.Tensor, length: int, count: int | None = None) -> list[torch.Tensor]:
@@ -239,16 +237,14 @@ def next_token_nll(model: nn.Module, x: torch.Tensor, chunk: int = NLL_CHUNK) ->
 
 
 def _prefix_nll(prefixes: dict[int, torch.Tensor] | None, start: int, context: int) -> torch.Tensor | None:
-    """The first ``context - 1`` NLLs of a forward in ``prefixes`` that began at ``start`` and was
-    at least ``context`` tokens long (None: there is none)."""
+    """The first ``context - 1`` NLLs of a kept forward from ``start`` at least that long, or None."""
     nll = None if prefixes is None else prefixes.get(start)
     return nll[: context - 1] if nll is not None and nll.numel() >= context - 1 else None
 
 
 def prefix_consistent(model: nn.Module) -> bool:
-    """True unless a rotary embedding of ``model`` changes its frequencies with the sequence's length
-    (``dynamic`` / ``longrope``): then a long window's first positions are not the short window's,
-    and :func:`perplexity` must not share ``prefixes`` between contexts."""
+    """False where a rotary embedding of ``model`` changes with the length (``dynamic`` / ``longrope``):
+    a long window's first positions are then not the short window's (no shared ``prefixes``)."""
     from ..hf.rotations import length_dependent
 
     return not any(length_dependent(m) for m in model.modules() if hasattr(m, "rope_type"))
@@ -274,13 +270,9 @@ def perplexity(
     ``max_tokens`` caps the number of windows at ``max(1, max_tokens // context)``, spread evenly
     over the text.
 
-    ``prefixes`` (``{window start: per-token NLL [n-1]}``, shared by calls at several contexts on one
-    model and text; filled by each call): a window that begins where an earlier call's window of
-    at least its length began takes its NLLs from that forward's first ``context - 1`` instead of
-    running the model again, since a causal LM's first positions do not see what follows (at the
-    conversion's budgets, the 4k window is the 8k window's first half). Pass it only for a model
-    whose outputs also do not depend on the sequence's length (:func:`prefix_consistent`); the
-    figures equal separate forwards' up to float rounding.
+    ``prefixes`` (``{window start: per-token NLL}``, shared by calls on one model and text): a window
+    that begins where an earlier call's longer one did reads that forward's first NLLs (a causal
+    LM's first positions do not see what follows); only where :func:`prefix_consistent`.
     """
     from tqdm.auto import tqdm
 
@@ -393,19 +385,7 @@ def accuracy(model: nn.Module, tokenizer, texts: list[str], labels: list[int], b
 
 
 __all__ = [
-    "next_token_nll",
-    "token_nll",
-    "pack_texts",
-    "accuracy",
-    "embedding_cosine",
-    "load_labelled",
-    "load_text",
-    "perplexity",
-    "prefix_consistent",
-    "sentence_batches",
-    "sentence_embeddings",
-    "shuffled_batches",
-    "token_windows",
-    "tokenize",
-    "window_starts",
+    "next_token_nll", "token_nll", "pack_texts", "accuracy", "embedding_cosine", "load_labelled",
+    "load_text", "perplexity", "prefix_consistent", "sentence_batches", "sentence_embeddings",
+    "shuffled_batches", "token_windows", "tokenize", "window_starts",
 ]
