@@ -277,6 +277,9 @@ def test_evaluate_grid_on_a_tiny_model_writes_every_figure_with_its_interval(tin
     ppl = out["texts"][tiny["a"]]["perplexity"]["32"]
     assert intervals.fmt(ppl["perplexity"], ppl["ci95"]) + " (16 × 32)" in md
     assert "| natural (" in md and "| repeated |" in md and "gap 48" in md
+    # the 32-token windows that begin where a 64-token one did were read from its forward: the same figures
+    alone = evaluate_main(["--model", tiny["model"], "--text", tiny["a"], "--context", "32", "--max-tokens", "512", "--no-progress"])
+    assert ppl["window_tokens"] == alone["window_tokens"] and ppl["window_nll"] == pytest.approx(alone["window_nll"], rel=1e-6)
     # seeded: the same command gives the same figures
     again = evaluate_main(argv)
     for k in ("texts", "passkey"):
