@@ -90,9 +90,7 @@ def lora_finetune(
     (transformers' ``activation_checkpointing_enable``, non-reentrant) instead of held, for this
     stage only. ``objective``: one of :data:`OBJECTIVES` (module docstring). Causal LMs only
     (labels = inputs)."""
-    from peft import get_peft_model
-
-    from ..training.peft_utils import lora_config
+    from ..training.peft_utils import lora_config, wrap_with_lora
 
     register_train()
     if not isinstance(train_feature_maps, bool):
@@ -103,7 +101,7 @@ def lora_finetune(
         raise ValueError(f"activation_checkpointing must be a bool, got {activation_checkpointing!r}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
-    peft_model = get_peft_model(model, lora_config(model, r=r, train_feature_maps=train_feature_maps))
+    peft_model = wrap_with_lora(model, lora_config(model, r=r, train_feature_maps=train_feature_maps))
     peft_model.train()
     with checkpointed_layers(model, activation_checkpointing):
         if distributed.fsdp_active():

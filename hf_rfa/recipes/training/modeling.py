@@ -21,7 +21,7 @@ from ...config import CONFIG_ATTR, RFAConfig
 from ...hf.convert import convert, from_pretrained, rfa_config_of
 from ...hf.loading import write_adapter_rfa_config
 from ...feature_maps import FeatureMap
-from .peft_utils import lora_config
+from .peft_utils import lora_config, wrap_with_lora
 from .args import ModelArguments, RFAArguments
 from ..._logging import error_line
 
@@ -138,15 +138,13 @@ def check_window(model: nn.Module, task: str, max_seq_length: int, ddp: bool) ->
 
 def apply_lora(model: nn.Module, model_args: ModelArguments, task: str) -> nn.Module:
     """Wrap ``model`` in PEFT LoRA (rank ``lora_r``) with the feature maps in ``modules_to_save``."""
-    from peft import get_peft_model
-
     cfg = lora_config(
         model, r=model_args.lora_r, alpha=model_args.lora_alpha, dropout=model_args.lora_dropout,
         target_modules=model_args.target_modules,
         train_feature_maps=model_args.train_feature_maps and rfa_config_of(model) is not None,
         task_type=PEFT_TASK[task],
     )
-    model = get_peft_model(model, cfg)
+    model = wrap_with_lora(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("LoRA r=%d on %s: %d of %d parameters trainable (%.2f%%)", model_args.lora_r, cfg.target_modules, trainable, total, 100 * trainable / total)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 from torch import nn
 
@@ -66,3 +67,14 @@ def lora_config(
         modules_to_save=save or None,
         task_type=task_type,
     )
+
+
+def wrap_with_lora(model: nn.Module, config) -> nn.Module:
+    """PEFT's ``get_peft_model(model, config)``, without the FutureWarning it sets off on
+    transformers >= 5.25: PEFT reads ``model.is_gradient_checkpointing``, which transformers now
+    names ``is_activation_checkpointing``; nothing a user can act on, so every LoRA stage printed it."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
