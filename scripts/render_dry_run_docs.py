@@ -38,7 +38,7 @@ BLOCK = re.compile(r"^\*Memory plan per process: .*?^Decode cache per sequence: 
 
 def plan_markdown(flags: list[str], env: dict[str, str], name: str, cpu_gib_step: float = 50 / 1024) -> str:
     from hf_rfa.cli import config_from_args
-    from hf_rfa.recipes.conversion import distributed, memory_plan
+    from hf_rfa.recipes.conversion import distributed, memory_plan, plan_inputs
     from hf_rfa.assets.models import smollm2_path
 
     flags = [str(smollm2_path()) if f == "SMOLLM2" else f for f in flags]
@@ -51,7 +51,7 @@ def plan_markdown(flags: list[str], env: dict[str, str], name: str, cpu_gib_step
         if cfg.device == "cpu":  # the process's own memory and the tokenizer's, rounded so the page is stable
             step = int(cpu_gib_step * 2**30)
             runtime = round(memory_plan.rss_now() / step) * step
-            tokenizer = round(memory_plan.tokenizer_bytes(cfg.model) / 2**23) * 2**23
+            tokenizer = round(plan_inputs.tokenizer_bytes(cfg.model) / 2**23) * 2**23
         p = memory_plan.plan(cfg, runtime_bytes=runtime, tokenizer=tokenizer)
     finally:
         for k, v in old.items():

@@ -234,15 +234,15 @@ def _hub_cache(root, repo: str, folder: str):
 
 _HUB_LOAD = """
 import json, sys, torch
-from hf_rfa.recipes.conversion import loading, memory_plan
+from hf_rfa.recipes.conversion import loading, plan_inputs
 read = []
 real = loading.read_state_dict
 loading.read_state_dict = lambda files, dtype: read.append(files) or real(files, dtype)
 model, _, _ = loading.load_model(sys.argv[1], torch.bfloat16)
 torch.save(model.state_dict(), sys.argv[2])
 print(json.dumps({"read": read, "name": model.name_or_path, "generation": model.generation_config.to_dict(),
-                  "sizes": memory_plan._tensor_sizes(sys.argv[1]), "missing": loading.checkpoint_files("org/not-cached", fetch=True),
-                  "missing_sizes": memory_plan._tensor_sizes("org/not-cached"), "sharded": loading.checkpoint_files("org/tiny-sharded")}))
+                  "sizes": plan_inputs.tensor_sizes(sys.argv[1]), "missing": loading.checkpoint_files("org/not-cached", fetch=True),
+                  "missing_sizes": plan_inputs.tensor_sizes("org/not-cached"), "sharded": loading.checkpoint_files("org/tiny-sharded")}))
 """
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_rfa.cli import config_from_args, convert_main
-from hf_rfa.recipes.conversion import memory_plan
+from hf_rfa.recipes.conversion import memory_plan, plan_check
 from hf_rfa.recipes.conversion.config import ConversionConfig
 from tiny_models import tiny_model
 
@@ -92,9 +92,9 @@ def test_the_plan_follows_an_fsdp_launch(tiny_llama, monkeypatch):
 
 def test_a_plan_that_does_not_fit_is_refused_with_the_numbers(tiny_llama):
     p = memory_plan.plan(_cfg(tiny_llama), runtime_bytes=0)
-    memory_plan.check_fits(p, "cpu", available=p.peak)
+    plan_check.check_fits(p, "cpu", available=p.peak)
     with pytest.raises(memory_plan.PlanDoesNotFit) as e:
-        memory_plan.check_fits(p, "cpu", available=p.peak // 2)
+        plan_check.check_fits(p, "cpu", available=p.peak // 2)
     msg = str(e.value)
     assert "\n" not in msg and "--dtype bfloat16" in msg and "MiB" in msg
 
@@ -337,8 +337,8 @@ def test_casting_a_checkpoint_on_the_cpu_plans_what_is_read_at_once(tiny_llama, 
 
 _TOKENIZER = """
 import sys
-from hf_rfa.recipes.conversion import memory_plan
-print(memory_plan.tokenizer_bytes(sys.argv[1]), memory_plan.tokenizer_bytes(sys.argv[2]))
+from hf_rfa.recipes.conversion import plan_inputs
+print(plan_inputs.tokenizer_bytes(sys.argv[1]), plan_inputs.tokenizer_bytes(sys.argv[2]))
 """
 
 

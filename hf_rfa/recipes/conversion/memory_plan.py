@@ -38,9 +38,9 @@ read or allocated), converts it there to count the feature-map tensors, and adds
   transformers); on CUDA, an allowance for the CUDA context;
 - **tokenizer** (CPU, ``--dry-run``): what loading the model's tokenizer adds (the tokenizer and
   the modules it imports), measured by loading it in a fresh process where it is at hand without a
-  download (:func:`tokenizer_bytes`); a run's own check before loading leaves it out.
+  download (:func:`.plan_inputs.tokenizer_bytes`); a run's own check before loading leaves it out.
 
-The peak is the largest stage total. :func:`check_fits` compares it with what the device has free
+The peak is the largest stage total. :func:`.plan_check.check_fits` compares it with what the device has free
 (``torch.cuda.mem_get_info``; on the CPU ``MemAvailable`` of ``/proc/meminfo``, or psutil) and
 refuses a run that would not fit, with the numbers and what to change.
 """
@@ -58,6 +58,7 @@ from torch import nn
 from .config import ConversionConfig
 from .host_memory import measure_peak_rss, rss_now
 from .lm_loss import loss_chunk, supports_chunked_loss
+from .plan_inputs import checkpoint_dtype, config_file, tensor_sizes, tokenizer_bytes
 from ..evaluation import NLL_CHUNK
 
 logger = logging.getLogger(__name__)
@@ -105,40 +106,35 @@ class MemoryPlan:
         names = [s for s in STAGES if s in self.parts]
         rows = []
         for part in dict.fromkeys(p for s in names for p in self.parts[s]):
-            rows.append(f"| {part} | " + " | ".join(_fmt(self.parts[s].get(part)) for s in names) + " |")
+            rows.append(f"| {part} | " + " | ".join(fmt_bytes(self.parts[s].get(part)) for s in names) + " |")
         head = (
             f"Memory plan per process: {self.model}, {self.dtype} weights on {self.device}, {self.processes} process(es)"
             f" ({self.sharding}), context {self.context}, batch {self.batch_size}; parameters: "
             + ", ".join(f"{k} {v:,}" for k, v in self.counts.items())
         )
         lines = [head, "", "| part | " + " | ".join(names) + " |", "|---|" + "---|" * len(names), *rows]
-        lines.append("| **total** | " + " | ".join(f"**{_fmt(self.stage_total(s))}**" for s in names) + " |")
+        lines.append("| **total** | " + " | ".join(f"**{fmt_bytes(self.stage_total(s))}**" for s in names) + " |")
         lines.append("")
-        lines.append(f"Peak: {_fmt(self.peak)} ({self.peak_stage}).")
+        lines.append(f"Peak: {fmt_bytes(self.peak)} ({self.peak_stage}).")
         if self.decode:
-            lines.append("Decode cache per sequence: " + ", ".join(f"{k} {_fmt(v)}" for k, v in self.decode.items()) + ".")
+            lines.append("Decode cache per sequence: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.decode.items()) + ".")
         return "\n".join(lines)
 
 
-def _fmt(n: int | None) -> str:
+def fmt_bytes(n: int | None) -> str:
     if n is None:
         return ""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
 # --------------------------------------------------------------------------- the model on the meta device
-def _config_file(spec: str) -> bool:
-    """Whether ``spec`` names a ``config.json`` alone (no checkpoint files with it to read)."""
-    return os.path.isfile(spec) and spec.endswith(".json")
-
-
 def load_config(spec: str):
     """A transformers config from a Hub id, a folder or a ``config.json`` path (nothing else read)."""
     from transformers import AutoConfig
 
     from .loading import resolve_checkpoint
 
-    if _config_file(spec):
+    if config_file(spec):
         import json
 
         d = json.loads(open(spec, encoding="utf-8").read())
@@ -202,7 +198,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     several processes when ``cfg.fsdp`` or the launcher asks for FSDP (``ACCELERATE_USE_FSDP``),
     else ``ddp``; ``runtime_bytes``: the process's own memory (default: its resident memory now on
     the CPU, :data:`CUDA_CONTEXT_BYTES` on CUDA); ``tokenizer``: the tokenizer's memory on the CPU
-    (default: :func:`tokenizer_bytes` in a ``--dry-run`` whose runtime is measured here; a run's own
+    (default: :func:`.plan_inputs.tokenizer_bytes` in a ``--dry-run`` whose runtime is measured here; a run's own
     check, which loads the tokenizer moments later, does not spend the seconds: none)."""
     from . import devices, distributed
     from .calibration import rfa_layers
@@ -251,7 +247,7 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
             held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
             out.parts["lora"]["autocast copy"] = held * (torch.finfo(autocast).bits // 8)  # (also under FSDP: the casts of gathered weights)
     out.parts["eval"] = {**base, **_eval(cfg, g, ab, chunked=chunked)}
-    stored = _checkpoint_dtype(config)
+    stored = checkpoint_dtype(config)
     if device.type == "cpu" and stored != wdtype and cfg.device_map is None:  # cast while loading (.loading)
         out.parts = {"load": {**base, **_cast_load(cfg, torch.finfo(stored).bits // 8, p_orig)}, **out.parts}
     out.decode = _decode(cfg, g, wb, feat, len(layers))
@@ -266,99 +262,10 @@ def _cast_load(cfg: ConversionConfig, sb: int, p_orig: int) -> dict[str, int]:
     file, mapped while each tensor is cast (an upper bound)."""
     from transformers.core_model_loading import GLOBAL_WORKERS
 
-    sizes = _tensor_sizes(cfg.model)
+    sizes = tensor_sizes(cfg.model)
     if not sizes:
         return {"checkpoint (mapped)": p_orig * sb}
     return {"checkpoint (read)": sum(sorted(sizes, reverse=True)[:GLOBAL_WORKERS]) * sb}
-
-
-def _tensor_sizes(spec: str) -> list[int]:
-    """The element counts of the checkpoint's safetensors tensors, from their headers: a local
-    folder's (a GGUF file: its converted folder) or a Hub id's in the Hugging Face cache, else the
-    Hub's headers of them (nothing downloaded); [] where there are none to read."""
-    from safetensors import safe_open
-
-    from .loading import checkpoint_files, resolve_checkpoint
-
-    if _config_file(spec):
-        return []
-    files = checkpoint_files(resolve_checkpoint(spec))
-    sizes = []
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            sizes += [math.prod(h.get_slice(k).get_shape()) for k in h.keys()]
-    if files or os.path.exists(spec):
-        return sizes
-    from huggingface_hub import get_safetensors_metadata
-
-    try:
-        meta = get_safetensors_metadata(spec)
-    except Exception as e:  # noqa: BLE001 (no connection, gated, not safetensors: the upper bound stands)
-        logger.debug("%s: safetensors headers not available (%s)", spec, e)
-        return []
-    return [math.prod(t.shape) for m in meta.files_metadata.values() for t in m.tensors.values()]
-
-
-_TOKENIZER_RSS = """
-import sys
-from transformers import AutoTokenizer
-rss = lambda: int(open("/proc/self/statm").read().split()[1])
-before = rss()
-try:
-    tok = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
-except Exception:
-    sys.exit(3)
-print((rss() - before) * int(sys.argv[2]))
-"""
-
-
-def tokenizer_bytes(spec: str) -> int:
-    """The resident memory that loading the model's tokenizer adds to a process that has imported
-    transformers: the tokenizer (a fast tokenizer's vocabulary and merges) and the modules loading
-    it imports (``tokenizers``, the model's tokenizer class, the chat template's engine), about
-    0.1 GiB for SmolLM2. Measured by loading it in a fresh Python process (a few seconds; in this
-    one, modules already imported and memory freed earlier would hide it) from the folder, the
-    ``config.json``'s folder or the Hugging Face cache (nothing downloaded); 0 where it is not at
-    hand or cannot be measured."""
-    import subprocess
-    import sys
-
-    from .loading import resolve_checkpoint
-
-    if not os.path.exists("/proc/self/statm"):
-        return 0
-    path = os.path.dirname(spec) or "." if _config_file(spec) else resolve_checkpoint(spec)
-    if not _has_tokenizer(path):
-        return 0
-    try:
-        out = subprocess.run([sys.executable, "-c", _TOKENIZER_RSS, path, str(os.sysconf("SC_PAGE_SIZE"))],
-                             capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.debug("%s: tokenizer not measured (%s)", spec, e)
-        return 0
-    if out.returncode != 0:
-        logger.debug("%s: no tokenizer at hand (exit %d)", spec, out.returncode)
-        return 0
-    return max(0, int(out.stdout.split()[-1]))
-
-
-def _has_tokenizer(path: str) -> bool:
-    """Whether a folder, or a Hub id in the Hugging Face cache, has a tokenizer's files."""
-    names = ("tokenizer_config.json", "tokenizer.json")
-    if os.path.isdir(path):
-        return any(os.path.isfile(os.path.join(path, n)) for n in names)
-    from huggingface_hub import try_to_load_from_cache
-
-    return any(isinstance(try_to_load_from_cache(path, n), str) for n in names)
-
-
-def _checkpoint_dtype(config) -> torch.dtype:
-    """The dtype the checkpoint's weights are stored in, from its config (``dtype``, formerly
-    ``torch_dtype``; float32 when it names none)."""
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
 
 
 def _gathered(model: nn.Module, total: int, wb: int) -> int:
@@ -438,72 +345,4 @@ def _decode(cfg, g, wb, feat, n_layers) -> dict[str, int]:
     return {f"softmax KV @{n}": softmax, "RFA state": n_layers * (exact + state) + (g["L"] - n_layers) * 2 * g["Hkv"] * n * g["D"] * wb}
 
 
-# --------------------------------------------------------------------------- does it fit
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device`` (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` or psutil)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        return None
-
-
-def check_before_loading(cfg: ConversionConfig) -> MemoryPlan | None:
-    """The plan of ``cfg`` checked against its device (:func:`check_fits`); None (with a warning)
-    when the model cannot be planned (the run goes on: the check is a guard, not a gate)."""
-    import logging
-
-    from . import devices
-
-    try:
-        p = plan(cfg)
-    except PlanDoesNotFit:
-        raise
-    except Exception as e:  # noqa: BLE001 - an architecture the meta skeleton cannot build must not block a run
-        logging.getLogger(__name__).warning("no memory plan for %s (%s): the fit check is skipped", cfg.model, e)
-        return None
-    logging.getLogger(__name__).info("memory plan: peak %s (%s)\n%s", _fmt(p.peak), p.peak_stage, p.markdown())
-    if cfg.device_map is None:  # a device map spreads the model over several devices: no single-device check
-        check_fits(p, devices.check_device(cfg.device))
-    return p
-
-
-def check_fits(p: MemoryPlan, device: torch.device | str, available: int | None = None) -> None:
-    """Raise :class:`PlanDoesNotFit` (one line: the numbers and what to change) when the plan's
-    peak exceeds ``available`` (default: :func:`available_bytes`; the CPU plan's runtime part is
-    already resident, so it is not counted twice)."""
-    device = torch.device(device)
-    avail = available_bytes(device) if available is None else available
-    if avail is None:
-        return
-    need = p.peak - (p.parts[p.peak_stage].get("runtime", 0) if device.type == "cpu" and available is None else 0)
-    if need <= avail:
-        return
-    hints = []
-    if p.dtype == "float32":
-        hints.append("--dtype bfloat16")
-    if "transfer" in p.parts and p.peak_stage == "transfer":
-        hints.append("--transfer-layerwise")
-    if p.batch_size > 1:
-        hints.append("a smaller --batch-size")
-    hints += ["a shorter --context / --lora-context", "--device-map auto or an FSDP config over more devices"]
-    raise PlanDoesNotFit(
-        f"the memory plan needs {_fmt(need)} per process at its peak ({p.peak_stage}) but {device} has {_fmt(avail)} free: "
-        f"try {', '.join(hints)} (--dry-run prints the plan; --no-memory-check skips this check)"
-    )
-
-
-__all__ = ["CUDA_CONTEXT_BYTES", "MemoryPlan", "PlanDoesNotFit", "available_bytes", "check_before_loading", "check_fits", "load_config", "measure_peak_rss", "meta_model", "plan", "rss_now"]
+__all__ = ["CUDA_CONTEXT_BYTES", "MemoryPlan", "PlanDoesNotFit", "fmt_bytes", "load_config", "measure_peak_rss", "meta_model", "plan", "rss_now"]

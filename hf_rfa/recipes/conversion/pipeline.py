@@ -130,7 +130,7 @@ def _run(cfg: ConversionConfig, tmp: Path | None, plot: bool = True) -> dict:
     total = _Timer()
     planned = None
     if cfg.memory_check:
-        from .memory_plan import check_before_loading
+        from .plan_check import check_before_loading
 
         planned = check_before_loading(cfg)  # refuses at once a run that would not fit the device
     procs = distributed.processes()
