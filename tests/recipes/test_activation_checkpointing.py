@@ -108,23 +108,34 @@ def test_the_plan_holds_each_layer_input_and_one_layer(tmp_path):
         assert d[True].parts.get("transfer") == d[False].parts.get("transfer")
 
 
-def test_lora_wrapping_does_not_pass_on_peft_deprecation_noise():
+def test_lora_wrapping_does_not_pass_on_peft_deprecation_noise(monkeypatch):
     """PEFT's ``get_peft_model`` reads ``is_gradient_checkpointing``, which transformers >= 5.25
-    deprecates: ``wrap_with_lora`` (both LoRA stages) drops that one FutureWarning, and only it.
-    (When PEFT stops reading the old name, the first assertion fails: the filter can go.)"""
+    deprecates with a FutureWarning: ``wrap_with_lora`` (both LoRA stages) drops that one warning,
+    and only it. A stand-in for ``get_peft_model`` emits transformers' message, so the filter is
+    checked whatever PEFT and transformers do; then the real PEFT wrap passes no such warning on."""
     import warnings
 
-    from peft import get_peft_model
+    import peft
 
     from hf_rfa.recipes.training.peft_utils import lora_config, wrap_with_lora
 
-    def noise(wrap):
-        model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**HYBRID))
+    message = "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` instead."
+
+    def noisy_get_peft_model(model, config):
+        warnings.warn(message, FutureWarning)
+        warnings.warn("another FutureWarning", FutureWarning)
+        return model
+
+    def future_warnings(fn):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            wrap(model, lora_config(model, r=2))
-            warnings.warn("another FutureWarning", FutureWarning)
+            fn()
         return [str(w.message) for w in caught if w.category is FutureWarning]
 
-    assert any("is_gradient_checkpointing" in m for m in noise(get_peft_model))
-    assert noise(wrap_with_lora) == ["another FutureWarning"]
+    model = hf_rfa.convert(tiny_model("llama"), hf_rfa.RFAConfig(**HYBRID))
+    with monkeypatch.context() as m:
+        m.setattr(peft, "get_peft_model", noisy_get_peft_model)
+        assert future_warnings(lambda: noisy_get_peft_model(model, None)) == [message, "another FutureWarning"]
+        assert future_warnings(lambda: wrap_with_lora(model, None)) == ["another FutureWarning"]
+    real = future_warnings(lambda: wrap_with_lora(model, lora_config(model, r=2)))
+    assert not [w for w in real if "is_gradient_checkpointing" in w]
