@@ -272,7 +272,7 @@ def perplexity(
 
     ``prefixes`` (``{window start: per-token NLL}``, shared by calls on one model and text): a window
     that begins where an earlier call's longer one did reads that forward's first NLLs (a causal
-    LM's first positions do not see what follows); only where :func:`prefix_consistent`.
+    LM's first positions do not see what follows); ignored where not :func:`prefix_consistent`.
     """
     from tqdm.auto import tqdm
 
@@ -281,6 +281,8 @@ def perplexity(
     from .conversion import distributed
 
     model.eval()
+    if prefixes is not None and not prefix_consistent(model):
+        prefixes = None
     local: dict[int, tuple[float, int]] = {}  # under several processes: this one's windows, gathered below
     for i in tqdm(distributed.window_indices(len(starts)), desc=f"{desc} @{context}", disable=not progress, leave=False):
         nll = _prefix_nll(prefixes, starts[i], context)

@@ -81,7 +81,7 @@ def run_grid(model: nn.Module, tokenizer, grid: Grid, seed: int = 0, progress: b
     for spec in grid.texts:
         ids = evaluation.tokenize(tokenizer, evaluation.load_text(spec))
         entry: dict = {"tokens": int(ids.numel()), "perplexity": {}, "copy": {}}
-        prefixes = {} if evaluation.prefix_consistent(model) else None  # longest first: a shorter window at a longer one's start reads its forward
+        prefixes: dict = {}  # longest first: a shorter window at a longer one's start reads its forward
         figures = {ctx: evaluation.perplexity(model, ids, ctx, grid.max_tokens, progress=progress, desc=spec, seed=seed, prefixes=prefixes)
                    for ctx in sorted(set(grid.contexts), reverse=True)}
         entry["perplexity"] = {str(ctx): figures[ctx] for ctx in grid.contexts}

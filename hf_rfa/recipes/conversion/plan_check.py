@@ -4,10 +4,14 @@ one-line refusal with the numbers and what to change when the plan's peak exceed
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .config import ConversionConfig
 from .memory_plan import MemoryPlan, PlanDoesNotFit, fmt_bytes, plan
+
+logger = logging.getLogger(__name__)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -35,8 +39,6 @@ def available_bytes(device: torch.device) -> int | None:
 def check_before_loading(cfg: ConversionConfig) -> MemoryPlan | None:
     """The plan of ``cfg`` checked against its device (:func:`check_fits`); None (with a warning)
     when the model cannot be planned (the run goes on: the check is a guard, not a gate)."""
-    import logging
-
     from . import devices
 
     try:
@@ -44,9 +46,9 @@ def check_before_loading(cfg: ConversionConfig) -> MemoryPlan | None:
     except PlanDoesNotFit:
         raise
     except Exception as e:  # noqa: BLE001 - an architecture the meta skeleton cannot build must not block a run
-        logging.getLogger(__name__).warning("no memory plan for %s (%s): the fit check is skipped", cfg.model, e)
+        logger.warning("no memory plan for %s (%s): the fit check is skipped", cfg.model, e)
         return None
-    logging.getLogger(__name__).info("memory plan: peak %s (%s)\n%s", fmt_bytes(p.peak), p.peak_stage, p.markdown())
+    logger.info("memory plan: peak %s (%s)\n%s", fmt_bytes(p.peak), p.peak_stage, p.markdown())
     if cfg.device_map is None:  # a device map spreads the model over several devices: no single-device check
         check_fits(p, devices.check_device(cfg.device))
     return p

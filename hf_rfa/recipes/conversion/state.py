@@ -100,7 +100,6 @@ def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> No
     (:func:`~hf_rfa.recipes.evaluation.perplexity`'s ``prefixes``; not for a length-dependent rotary)."""
     cfg = s.cfg
     _long_range(s, model, name, passkey)
-    shared = evaluation.prefix_consistent(model)
     prefixes: dict[bool, dict] = {True: {}, False: {}}  # by form: the twin's and the chunked op's figures are not mixed
     rows = {}
     for ctx in sorted(set(cfg.eval_contexts), reverse=True):
@@ -108,7 +107,7 @@ def _evaluate_causal(s: State, name: str, model: nn.Module, passkey: bool) -> No
         transfer.register_train()
         with calibration.attn_implementation(model, transfer.TRAIN_NAME) if twin else nullcontext():
             r = evaluation.perplexity(model, s.ids["eval"], ctx, cfg.eval_tokens, progress=cfg.progress, desc=name, seed=cfg.seed,
-                                      prefixes=prefixes[twin] if shared else None)
+                                      prefixes=prefixes[twin])
         rows[ctx] = {
             "variant": name, "context": ctx, "perplexity": r["perplexity"], "perplexity_ci95": r["ci95"], "eval_tokens": r["tokens"],
             "windows": r["windows"], "window_nll": r["window_nll"], "window_tokens": r["window_tokens"],
