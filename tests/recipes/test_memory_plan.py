@@ -245,18 +245,24 @@ def _recall_rfa():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux: the resident memory is read from /proc")
 def test_measure_peak_rss_sees_an_allocation_inside_and_not_before():
+    import gc
+
+    from hf_rfa.recipes.conversion.host_memory import rss_now
     from hf_rfa.recipes.conversion.memory_plan import measure_peak_rss
 
+    gc.collect()  # earlier tests' garbage, freed now rather than between the two blocks
     big = torch.ones(64 * 2**20 // 4)  # 64 MiB, freed before the measured block
     del big
     with measure_peak_rss() as quiet:
         pass
     with measure_peak_rss() as busy:
+        before = rss_now()
         x = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched, held much longer than the sampling interval
         time.sleep(1.0)  # long enough for the sampling thread to get a CPU on a busy machine
         del x
     assert quiet[0] is not None and busy[0] is not None
-    assert busy[0] - quiet[0] > 200 * 2**20
+    assert quiet[0] < before + 32 * 2**20  # the 64 MiB freed before the block are not seen
+    assert busy[0] - before > 200 * 2**20  # the sampled peak holds the allocation, freed before the block ended
 
 
 
