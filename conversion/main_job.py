@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         given = argv if argv is not None else sys.argv[1:]
         write_run_file(a.output, run_file, run_command(given))
         logging.getLogger("main_job").info("run file: %s", run_file)
+    if "--dry-run" in rest:  # a plan only: no job ran
+        return
     import torch
 
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"

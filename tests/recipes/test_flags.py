@@ -257,3 +257,15 @@ def test_report_long_range_table_shows_the_key_accuracy_only_where_it_differs():
     assert "| b | 21.00 | 50% |" in table
     old = {"rows": rep["rows"][:1], "long_range": [{"variant": "a", "passkey": {"mean": {"2048": 1.0}}}]}  # older runs measured no key accuracy
     assert "| a | 20.00 | 100% |" in report.long_range_table(old)
+
+
+def test_main_job_dry_run_prints_the_plan_and_no_job_time(tmp_path, capsys, monkeypatch):
+    """``conversion/main_job.py --dry-run``: the memory plan, and no "main job: N min wall" line
+    (no job ran); nothing is written to the output folder."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "conversion"))  # its `import convert`, as when run as a script
+    main_job = _script("conversion/main_job.py")
+    main_job.main(["--quick", "--dry-run", "--output", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "Peak:" in out and "| part |" in out
+    assert "main job:" not in out
+    assert not (tmp_path / "out" / "report.json").exists()
