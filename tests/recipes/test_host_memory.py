@@ -90,6 +90,20 @@ def test_the_conversion_sets_it_on_the_cpu_only(monkeypatch):
     assert calls == [8, 8, 8]
 
 
+def test_glibcs_own_threshold_is_named_as_beyond_the_plan(monkeypatch, caplog):
+    """--malloc-mmap-threshold 0 on the CPU (the main job's): a warning that the peak can exceed
+    the plan (which assumes the fixed threshold); none with the default."""
+    import logging
+
+    monkeypatch.delenv(host_memory.MMAP_THRESHOLD_ENV, raising=False)
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: lambda *a: 1)
+    with caplog.at_level(logging.WARNING, logger=pipeline.logger.name):
+        assert pipeline._map_large_blocks(ConversionConfig(model="m", malloc_mmap_threshold=0), "cpu") is False
+        assert pipeline._map_large_blocks(ConversionConfig(model="m"), "cpu") is True
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "--malloc-mmap-threshold 0" in warned[0] and "memory plan" in warned[0]
+
+
 class _Stop(Exception):
     """Raised in place of the model load: the commands' set-up is what these tests look at."""
 

@@ -174,6 +174,9 @@ def _map_large_blocks(cfg: ConversionConfig, device: str | None) -> bool:
         return True
     if cfg.malloc_mmap_threshold and MMAP_THRESHOLD_ENV in os.environ:
         logger.info("%s is set: glibc's mmap threshold is left as the environment sets it", MMAP_THRESHOLD_ENV)
+    elif not cfg.malloc_mmap_threshold:
+        logger.warning("--malloc-mmap-threshold 0: glibc keeps freed blocks of up to 32 MiB resident, so the peak can exceed "
+                       "the memory plan, which counts the tensors held (report.json's memory section gives both)")
     return False
 
 
