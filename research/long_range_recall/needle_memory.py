@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                     x = torch.cat([prompt, answer]).unsqueeze(0)
                     digits_ok = bool(long_range._passkey_hits(model, x, len(answer), lead)[0, 1])
                     cache = hf_rfa.RFACache(model)
-                    model(input_ids=prompt.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    model(input_ids=prompt.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=1)
                 pos = needle_positions(tok, prompt.tolist(), key)
                 counts = held(cache, pos)
                 sizes = [int(layer.state.mem_pos.shape[-1]) if layer.state is not None and hasattr(layer.state, "mem_pos") else 0 for layer in cache.layers]
