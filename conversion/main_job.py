@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     import convert
 
     convert.main((QUICK if a.quick else DEFAULT) + asset_args(a.output) + rest)
+    if "--dry-run" in rest:  # a plan only: no job ran, no report to keep
+        return
     run_file = a.run_file if a.run_file is not None else ("" if a.quick else run_file_name())
     if run_file and not wrote_report(a.output, start):
         logging.getLogger("main_job").info("no run file: this run wrote no report to %s", a.output)
@@ -154,8 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         given = argv if argv is not None else sys.argv[1:]
         write_run_file(a.output, run_file, run_command(given))
         logging.getLogger("main_job").info("run file: %s", run_file)
-    if "--dry-run" in rest:  # a plan only: no job ran
-        return
     import torch
 
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"

@@ -189,6 +189,15 @@ def _filler_ends(filler: NaturalFiller, room: int, trials: int, g: torch.Generat
     return [int(fit[int(torch.randint(0, fit.numel(), (1,), generator=g))]) for _ in range(trials)]
 
 
+def passkey_draws(length: int, depth: float, trials: int, seed: int, filler: NaturalFiller | None = None) -> tuple[list[str], list[int]]:
+    """The keys and, with a natural ``filler``, the sentence ends (:func:`passkey_prompt`'s ``end``;
+    0 otherwise) of one cell of :func:`passkey_task`, from a generator seeded by ``(seed, length, depth)``."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + int(round(depth * 100)))
+    keys = [str(int(torch.randint(10000, 100000, (1,), generator=g))) for _ in range(trials)]
+    ends = _filler_ends(filler, length, trials, g) if filler is not None else [0] * trials
+    return keys, ends
+
+
 @torch.no_grad()
 def passkey_task(
     model: nn.Module, tokenizer, lengths=(1024, 2048, 4096, 8192), depths=(0.1, 0.5, 0.9),
@@ -223,9 +232,7 @@ def passkey_task(
     cells = [(n, dp) for n in lengths for dp in depths]
     bar = tqdm(total=len(cells) * trials, desc="passkey" + (" (natural filler)" if filler is not None else ""), disable=not progress, leave=False)
     for n, dp in cells:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + n * 101 + int(round(dp * 100)))
-        keys = [str(int(torch.randint(10000, 100000, (1,), generator=g))) for _ in range(trials)]
-        ends = _filler_ends(filler, n, trials, g) if filler is not None else [0] * trials
+        keys, ends = passkey_draws(n, dp, trials, seed, filler)
         rows = []
         for i in range(0, trials, batch_size):
             pairs = [passkey_prompt(tokenizer, n, dp, key, filler, e) for key, e in zip(keys[i : i + batch_size], ends[i : i + batch_size])]
@@ -278,4 +285,4 @@ def _passkey_hits(model: nn.Module, x: torch.Tensor, la: int, lead: int = 0) -> 
     return torch.stack([ok.all(-1), ok[:, lead:].all(-1)], dim=1)
 
 
-__all__ = ["PASSKEY_FILLERS", "NaturalFiller", "copy_sequences", "copy_task", "natural_filler", "passkey_prompt", "passkey_task"]
+__all__ = ["PASSKEY_FILLERS", "NaturalFiller", "copy_sequences", "copy_task", "natural_filler", "passkey_draws", "passkey_prompt", "passkey_task"]

@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n in a.lengths:
         for dp in a.depths:
-            g = torch.Generator().manual_seed(0 * 1_000_003 + n * 101 + int(round(dp * 100)))  # passkey_task's, seed 0
-            keys = [str(int(torch.randint(10000, 100000, (1,), generator=g))) for _ in range(a.trials)]
-            ends = long_range._filler_ends(filler, n, a.trials, g)
+            keys, ends = long_range.passkey_draws(n, dp, a.trials, 0, filler)  # passkey_task's trials, seed 0
             for t, (key, end) in enumerate(zip(keys, ends)):
                 prompt, answer = long_range.passkey_prompt(tok, n, dp, key, filler, end)
                 lead = long_range._leading_space_tokens(space, answer)

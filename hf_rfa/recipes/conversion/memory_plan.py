@@ -241,8 +241,8 @@ def plan(cfg: ConversionConfig, processes: int | None = None, sharding: str | No
     if p_train and cfg.transfer_tokens > 0:
         out.parts["transfer"] = {**train, **_sharded(_transfer(cfg, g, b, n, ab, feat, p_train, len(layers)), shard)}
     if p_lora and config_is_causal(config):
-        # the matmuls' outputs: the autocast dtype, else the weights' (float32 where bf16 weights are multiplied in float32)
-        mb = torch.finfo(autocast).bits // 8 if autocast is not None else 4 if devices.needs_float32_compute(device, wdtype) else wb
+        # the matmuls' outputs: the autocast dtype, else float32 (float32 weights, or low-precision ones multiplied in float32)
+        mb = torch.finfo(autocast).bits // 8 if autocast is not None else 4
         out.parts["lora"] = {**train, **_sharded(_lora(cfg, g, b, n_lora, ab, feat, p_lora, p_targets * wb, chunked=chunked, mb=mb), shard)}
         if autocast is not None and wdtype == torch.float32:  # each matmul's low-precision weight, saved for backward
             held = p_orig if not cfg.activation_checkpointing else (p_orig - g["V"] * g["h"]) // g["L"] + g["V"] * g["h"]  # checkpointed: one layer's (and the head's)
