@@ -5,10 +5,15 @@ same seed), the prompt is prefilled into an :class:`hf_rfa.RFACache` and each la
 is read at the question's end: which of the key's digit tokens (the key is written twice in the
 needle sentence) are still held, per layer and kv head. The same trial's answer is scored as the
 task scores it (the digits only, greedy). One JSON line per trial (``--out``); a summary per
-length on stdout.
+length on stdout, with what a choice of the same memory sizes at random would hold of the needle.
+
+``--score-drift``: prefills ``--filler-text`` once and prints, per layer, the mean memory score
+(``memory_score``, in log2) of the candidate keys by position band: whether a key written late
+meets a memory of keys that scored higher only because they were scored earlier.
 
     NT=2 python research/long_range_recall/needle_memory.py --model out/smollm2-135m-rfa \\
         --lengths 1024 2048 4096 8192 --trials 10
+    NT=2 python research/long_range_recall/needle_memory.py --model out/smollm2-135m-rfa --score-drift 8192
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -63,12 +69,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="published")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("needle_memory.jsonl"))
     ap.add_argument("--summary", action="store_true", help="print the summaries of --out (every label) and run nothing")
+    ap.add_argument("--score-drift", type=int, default=0, metavar="N", help="prefill N tokens of --filler-text and print each layer's mean candidate score by position band, then stop")
+    ap.add_argument("--excluded", type=int, default=68, help="--summary: keys never candidates (window + sinks; the recall preset's 64 + 4) for the random expectation")
     a = ap.parse_args(argv)
     if a.summary:
         rows = [json.loads(line) for line in open(a.out)]
         for label in dict.fromkeys(r["label"] for r in rows):
             print(f"## {label}")
-            summarize([r for r in rows if r["label"] == label])
+            summarize([r for r in rows if r["label"] == label], a.excluded)
             for row in by_layer([r for r in rows if r["label"] == label]):
                 print(json.dumps(row))
         return
@@ -83,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     if a.rfa:
         hf_rfa.reconfigure(model, **hf_rfa.parse_runtime_settings(a.rfa))
+    if a.score_drift:
+        ids = tok(evaluation.load_text(a.filler_text), add_special_tokens=False)["input_ids"][: a.score_drift]
+        for row in score_drift(model, torch.tensor([ids])):
+            print(json.dumps(row))
+        return
     filler = long_range.natural_filler(tok, evaluation.load_text(a.filler_text), a.filler_text)
     space = tok(" ", add_special_tokens=False)["input_ids"]
     rows = []
@@ -109,9 +122,27 @@ def main(argv: list[str] | None = None) -> None:
     summarize(rows)
 
 
-def summarize(rows: list[dict]) -> None:
+def random_expectation(row: dict, excluded: int) -> tuple[float, float]:
+    """What the memory of ``row``'s sizes would hold of its needle were its keys a uniform random
+    choice among the ``length − excluded`` candidates: ``(share of pairs holding ≥ 1 needle token,
+    needle tokens held per pair)``."""
+    n, k = row["length"] - excluded, len(row["needle_positions"])
+    share = tokens = 0.0
+    pairs = 0
+    for size, layer in zip(row["memory_sizes"], row["held"]):
+        m = min(size, n)
+        miss = math.prod((n - m - j) / (n - j) for j in range(k)) if n - m >= k else 0.0  # no needle token among m of n
+        share += (1 - miss) * len(layer)
+        tokens += k * m / n * len(layer)
+        pairs += len(layer)
+    return share / max(1, pairs), tokens / max(1, pairs)
+
+
+def summarize(rows: list[dict], excluded: int = 68) -> None:
     """Per length: digits right; trials where some layer holds every needle token; mean share of
-    (layer, kv head) pairs holding at least one; and the same among the right and wrong trials."""
+    (layer, kv head) pairs holding at least one, among the right and wrong trials, and were the
+    memory a random choice of the same sizes (:func:`random_expectation`); needle tokens held per
+    pair, measured and at random."""
     for n in sorted({r["length"] for r in rows}):
         rs = [r for r in rows if r["length"] == n]
         def share(r):
@@ -123,9 +154,12 @@ def summarize(rows: list[dict]) -> None:
         ok = [r for r in rs if r["digits_ok"]]
         bad = [r for r in rs if not r["digits_ok"]]
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        tokens = lambda r: sum(c for layer in r["held"] for c in layer) / max(1, sum(len(layer) for layer in r["held"]))  # noqa: E731
+        rand = [random_expectation(r, excluded) for r in rs]
         print(json.dumps({"length": n, "trials": len(rs), "digits_right": len(ok), "some_head_holds_every_key_token": sum(map(full, rs)),
                           "pairs_holding_some": round(mean([share(r) for r in rs]), 3), "pairs_holding_some_right": round(mean([share(r) for r in ok]), 3),
-                          "pairs_holding_some_wrong": round(mean([share(r) for r in bad]), 3)}))
+                          "pairs_holding_some_wrong": round(mean([share(r) for r in bad]), 3), "pairs_holding_some_at_random": round(mean([x[0] for x in rand]), 3),
+                          "tokens_per_pair": round(mean([tokens(r) for r in rs]), 2), "tokens_per_pair_at_random": round(mean([x[1] for x in rand]), 2)}))
 
 
 def by_layer(rows: list[dict]) -> list[dict]:
@@ -138,6 +172,47 @@ def by_layer(rows: list[dict]) -> list[dict]:
         ok = [sum(r["held"][li]) for r in rs if r["digits_ok"]]
         bad = [sum(r["held"][li]) for r in rs if not r["digits_ok"]]
         out.append({"layer": li, "size": rs[0]["memory_sizes"][li], "right": round(sum(ok) / len(ok), 2), "wrong": round(sum(bad) / len(bad), 2)})
+    return out
+
+
+#: position bands of :func:`score_drift`
+BANDS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192), (8192, 16384))
+
+
+def score_drift(model, ids: torch.Tensor) -> list[dict]:
+    """Prefill ``ids [1, N]`` (no cache) and return, per layer with an exact memory, the mean score
+    of the candidate keys (their ``memory_score`` as the memory compares it, log2) in each position
+    band of :data:`BANDS` that holds keys, and the scores' standard deviation over all bands. The scores are read where the memory chooses
+    (``select_memory`` of both forms, wrapped for the call); the layer from a pre-hook on each decoder layer."""
+    from hf_rfa.ops.memory import periods, sequential, terms
+
+    current = {"layer": -1}
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    choose = terms.select_memory
+
+    def spy(mem, cand, memory):
+        pos, ok = cand["pos"][0], cand["ok"][0]
+        seen.setdefault(current["layer"], []).append((pos[ok].float(), cand["norm"][0][ok].float()))
+        return choose(mem, cand, memory)
+
+    def enter(i):
+        return lambda module, args: current.__setitem__("layer", i)
+
+    hooks = [layer.register_forward_pre_hook(enter(i)) for i, layer in enumerate(model.model.layers)]
+    sequential.select_memory = periods.select_memory = spy
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        sequential.select_memory = periods.select_memory = choose
+        for h in hooks:
+            h.remove()
+    out = []
+    for li in sorted(seen):
+        pos = torch.cat([p for p, _ in seen[li]])
+        sc = torch.cat([s for _, s in seen[li]])
+        bands = {f"{lo}-{hi}": round(float(sc[(pos >= lo) & (pos < hi)].mean()), 3) for lo, hi in BANDS if bool(((pos >= lo) & (pos < hi)).any())}
+        out.append({"layer": li, "keys": int(pos.numel()), "score_std": round(float(sc.std()), 3), "mean_score_by_position": bands})
     return out
 
 
