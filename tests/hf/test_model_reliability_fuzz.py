@@ -11,7 +11,8 @@ bit-identical when the padded tokens change (likewise); cached decoding — with
 and with transformers' ``DynamicCache`` (the op then gets Nq < Nk; refused with a message naming
 ``RFACache`` where the feature part reads un-rotated keys) — equal to one full forward
 (``tolerances.DECODE_LOGITS``). The fast run is ``CASES`` cases (``HF_RFA_MODEL_FUZZ_CASES``); the
-slow one ten times as many, from another seed.
+slow one ``LONG_CASES`` (``HF_RFA_MODEL_FUZZ_LONG_CASES``, 2,000: about 1.5 minutes on 2 cores; 5,000
+for a thorough run), from another seed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tiny_models import VOCAB, tiny_config
 from tolerances import DECODE_LOGITS
 
 CASES = int(os.environ.get("HF_RFA_MODEL_FUZZ_CASES", "500"))
+LONG_CASES = int(os.environ.get("HF_RFA_MODEL_FUZZ_LONG_CASES", "2000"))
 
 #: (family, kv heads or None for the config's own; GPT-2: heads): one kv head gives transformers' layout a
 #: size-1 head dimension
@@ -235,5 +237,5 @@ def test_model_reliability_fuzz_counts_are_zero():
 
 @pytest.mark.slow
 def test_model_reliability_fuzz_counts_are_zero_long():
-    totals, first = _run(10 * CASES, seed=8)
+    totals, first = _run(LONG_CASES, seed=8)
     assert all(v == 0 for v in totals.values()), (totals, first)
