@@ -1,5 +1,7 @@
 """Peak RSS of the main job's LoRA stage: SmolLM2-135M converted with the main job's recipe,
-``transfer.lora_finetune`` for a few steps at the LoRA context, the main job's autocast rule.
+``transfer.lora_finetune`` for a few steps at the LoRA context, the main job's autocast rule
+(with ``--dtype bfloat16`` on a CPU without bf16 matrix units, as the conversion: bf16 weights
+multiplied in float32, no autocast).
 
     .venv/bin/python benchmarks/lora_stage_memory.py                     # this checkout
     .venv/bin/python benchmarks/lora_stage_memory.py --src /path/to/other/checkout
@@ -61,15 +63,21 @@ def main(argv: list[str] | None = None) -> None:
 
         map_large_blocks(args.malloc_mmap_threshold)
     torch.manual_seed(0)  # PEFT's LoRA initialisation
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=getattr(torch, args.dtype))
+    weights = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=weights)
+    dtype = precision.resolve_autocast("auto", "cpu")
+    if args.dtype != "float32":
+        from hf_rfa.recipes.conversion import devices
+
+        if hasattr(devices, "training_autocast"):  # as load_model and the LoRA stage (an older --src may lack it: autocast as above)
+            dtype = devices.training_autocast("auto", torch.device("cpu"), weights)
+            if devices.needs_float32_compute(torch.device("cpu"), weights):
+                devices.float32_compute(model)  # bf16 storage, float32 matmuls (no bf16 matrix hardware here)
     hf_rfa.convert(model, hf_rfa.RFAConfig(**RECIPES["main"]))
     if args.dtype != "float32":  # as the conversion does: low-precision frozen weights, float32 maps
-        from hf_rfa.recipes.conversion.devices import keep_trainable_float32
-
-        keep_trainable_float32(model)
+        devices.keep_trainable_float32(model)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(10, model.config.vocab_size, (1, args.context), generator=g), None) for _ in range(args.steps)]
-    dtype = precision.resolve_autocast("auto", "cpu")
     t0 = time.perf_counter()
     extra = {"activation_checkpointing": True} if args.activation_checkpointing else {}  # (an older --src may not take it)
     _, res = transfer.lora_finetune(model, iter(batches), tokens=args.steps * args.context, lr=1e-3, progress=False, autocast=dtype, **extra)
