@@ -48,10 +48,10 @@ def test_clamped_distances_change_only_far_queries_and_decode_equals_prefill():
     cache = RFACache(far_model)
     steps = []
     with torch.no_grad():
-        out = far_model(ids[:, :7], past_key_values=cache, use_cache=True)
+        out = far_model(ids[:, :7], cache=cache, use_cache=True)
         steps.append(out.logits)
         for i in range(7, N):
-            steps.append(far_model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+            steps.append(far_model(ids[:, i : i + 1], cache=cache, use_cache=True).logits)
     assert torch.allclose(torch.cat(steps, 1), clamped, atol=2e-5, rtol=1e-4)
 
 
