@@ -42,7 +42,8 @@ def _register_with_transformers() -> None:
 _register_with_transformers()
 
 from .hf.compile import compile_layers  # noqa: E402
-from .hf.convert import convert, find_attention_modules, from_pretrained, reconfigure, redraw, rfa_config_of, set_memory  # noqa: E402
+from .hf.convert import convert, find_attention_modules, from_pretrained, redraw, rfa_config_of  # noqa: E402
+from .hf.runtime import parse_runtime_settings, reconfigure, set_memory  # noqa: E402
 # every feature map of a model; not named ``feature_maps``, which is the subpackage hf_rfa.feature_maps
 from .hf.convert import feature_maps as model_feature_maps  # noqa: E402
 

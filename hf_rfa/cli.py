@@ -191,7 +191,7 @@ class EvaluateArguments:
     progress: bool = field(default=True, metadata={"help": "progress bars"})
 
     def __post_init__(self) -> None:
-        from .hf.convert import parse_runtime_settings
+        from .hf.runtime import parse_runtime_settings
         from .recipes.grid import GRIDS
 
         self.rfa_settings = parse_runtime_settings(self.rfa)
@@ -241,7 +241,7 @@ def evaluate_main(argv: list[str] | None = None) -> dict:
     if kind != CAUSAL_LM:
         p.error(f"--model {a.model} is a {kind}, not a causal LM: {'the grid' if grid else a.task} is undefined")
     if a.rfa_settings:
-        from .hf.convert import reconfigure
+        from .hf.runtime import reconfigure
 
         try:
             reconfigure(model, **a.rfa_settings)

@@ -84,7 +84,8 @@ def clamp_memory_distance(model: nn.Module) -> int:
     applies (an exact memory, the feature part on un-rotated q/k, a rotary embedding, no clamp set
     yet): past its trained positions the memory's keys are read at the farthest distance it was
     trained on, and within them nothing changes. Returns the distance set (0: none)."""
-    from .convert import reconfigure, rfa_config_of  # (convert imports this module)
+    from .convert import rfa_config_of  # (convert imports this module)
+    from .runtime import reconfigure
 
     cfg, limit = rfa_config_of(model), getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if cfg is None or not cfg.any_memory or cfg.feature_input != "unrotated" or cfg.memory_distance or not isinstance(limit, int) or limit < 2:

@@ -44,6 +44,7 @@ BUNDLED_MODULES = (
     "hf_rfa.hf.checkpoint",
     "hf_rfa.hf.rope",
     "hf_rfa.hf.rotations",
+    "hf_rfa.hf.runtime",
     "hf_rfa.hf.convert",
     "hf_rfa.ops",
     "hf_rfa.ops.attention",

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_rfa
-from hf_rfa.hf.convert import RUNTIME_FIELDS, parse_runtime_settings
+from hf_rfa.hf.runtime import RUNTIME_FIELDS, parse_runtime_settings
 from tiny_models import tiny_model
 
 BASE = dict(feature_map="favor+", num_features=32, window=4, sinks=2, memory=0, chunk_size=8)

@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import long_range
-from ...hf.convert import set_memory
+from ...hf.runtime import set_memory
 from .checks import _positions
 from .devices import input_device
 from .loading import CAUSAL_LM
