@@ -10,7 +10,8 @@
 
 from .args import DataArguments, LoopArguments, ModelArguments, RFAArguments
 from .data import PreparedData, prepare
-from .loop import TrainState, latest_checkpoint, train
+from .checkpoints import TrainState, latest_checkpoint
+from .loop import train
 from .metrics import accuracy, perplexity
 from .modeling import apply_lora, build_model, load_tokenizer, projection_fingerprint, save_final
 from .trainer import run_trainer
