@@ -160,7 +160,20 @@ def gpt2_tokenizer_path() -> Path:
     if (final / "tokenizer_config.json").is_file():
         return final
     src = sdist_file(Sdist(*WHISPER_SDIST), GPT2_TIKTOKEN_FILE)
+    vocab, merges = _gpt2_vocab_and_merges(src)
+    _remove_stale_tmp(final.parent, final.name)
+    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + final.name + ".", dir=final.parent))
+    try:
+        _write_gpt2_tokenizer(tmp, vocab, merges)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("GPT-2 tokenizer: %d tokens, %d merges", len(vocab), len(merges))
+    return _publish_dir(tmp, final)
 
+
+def _gpt2_vocab_and_merges(src: Path) -> tuple[dict[str, int], list[str]]:
+    """``(vocab, merges)`` of GPT-2 from the tiktoken ranks file ``src`` (:func:`gpt2_tokenizer_path`)."""
     from tqdm.auto import tqdm
 
     ranks: dict[bytes, int] = {}
@@ -185,57 +198,25 @@ def gpt2_tokenizer_path() -> Path:
             continue
         parts = _bpe_split(ranks, tok, rank)
         if len(parts) != 2:
-            raise ValueError(
-                f"token {tok!r} (rank {rank}) is not a single merge: {parts}"
-            )
+            raise ValueError(f"token {tok!r} (rank {rank}) is not a single merge: {parts}")
         merges.append(f"{to_str(parts[0])} {to_str(parts[1])}")
+    return vocab, merges
 
-    _remove_stale_tmp(final.parent, final.name)
-    tmp = Path(
-        tempfile.mkdtemp(prefix=_TMP_PREFIX + final.name + ".", dir=final.parent)
-    )
-    try:
-        (tmp / "vocab.json").write_text(
-            json.dumps(vocab, ensure_ascii=False), encoding="utf-8"
-        )
-        (tmp / "merges.txt").write_text(
-            "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
-        )
-        special = "<|endoftext|>"
-        (tmp / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "GPT2Tokenizer",
-                    "model_max_length": 1024,
-                    "add_prefix_space": False,
-                    "bos_token": special,
-                    "eos_token": special,
-                    "unk_token": special,
-                },
-                indent=2,
-            ),
-            encoding="utf-8",
-        )
-        (tmp / "special_tokens_map.json").write_text(
-            json.dumps(
-                {"bos_token": special, "eos_token": special, "unk_token": special}
-            ),
-            encoding="utf-8",
-        )
-        try:  # also write tokenizer.json so loading needs no slow->fast conversion
-            from transformers import GPT2TokenizerFast
 
-            GPT2TokenizerFast.from_pretrained(tmp).save_pretrained(tmp)
-        except (
-            Exception
-        ) as exc:  # pragma: no cover - vocab.json + merges.txt still suffice
-            logger.warning(
-                "could not write tokenizer.json for GPT-2 tokenizer: %s", exc
-            )
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("GPT-2 tokenizer: %d tokens, %d merges", len(vocab), len(merges))
-    return _publish_dir(tmp, final)
+def _write_gpt2_tokenizer(folder: Path, vocab: dict[str, int], merges: list[str]) -> None:
+    """The tokenizer files of GPT-2 (``vocab.json``, ``merges.txt``, the configs, and
+    ``tokenizer.json`` where transformers can write it) into ``folder``."""
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    special = "<|endoftext|>"
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024, "add_prefix_space": False, "bos_token": special, "eos_token": special, "unk_token": special}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": special, "eos_token": special, "unk_token": special}), encoding="utf-8")
+    try:  # also write tokenizer.json so loading needs no slow->fast conversion
+        from transformers import GPT2TokenizerFast
+
+        GPT2TokenizerFast.from_pretrained(folder).save_pretrained(folder)
+    except Exception as exc:  # pragma: no cover - vocab.json + merges.txt still suffice
+        logger.warning("could not write tokenizer.json for GPT-2 tokenizer: %s", exc)
 
 

@@ -158,6 +158,34 @@ def settings_table(config: RFAConfig) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _intro(config: RFAConfig, origin: str, num_parameters: int | None, version: str) -> str:
+    """The model card's first paragraph: what the checkpoint is and how it attends."""
+    hybrid = []
+    if config.window:
+        hybrid.append(f"exact softmax over a local window of {config.window} tokens")
+    if config.sinks:
+        hybrid.append(f"the first {config.sinks} tokens attended exactly (attention sinks)")
+    if config.any_memory:
+        chosen = {"feature_error": "the keys whose value the feature state recalls worst", "query_mass": "the keys their window's queries attended to most"}.get(config.memory_score, "the keys with the largest value norm")
+        size = f"at most {config.memory}" if config.memory_per_layer is None else f"per-layer sizes of {min(config.memory_per_layer)}–{max(config.memory_per_layer)}"
+        hybrid.append(f"an exact memory of {size} older keys per key-value head ({chosen}, re-chosen every {config.memory_every} tokens)")
+    hybrid_text = (" combined with " + " and ".join(hybrid)) if hybrid else ""
+    size = f" ({num_parameters / 1e6:.1f}M parameters)" if num_parameters else ""
+    intro = (
+        f"This checkpoint is {origin}{size} whose softmax self-attention was replaced by **random feature "
+        f"attention** with hf_rfa {version}: feature map "
+        f"`{config.feature_map}` with {config.num_features} features per head{hybrid_text}. Attention "
+        "costs linear time and memory in the sequence length. The random projections and any learned "
+        "feature-map parameters are stored in the weights (`*.rfa.feature_map.*`), so outputs are reproducible."
+    )
+    if config.window:
+        intro += (
+            f" Up to {config.window} tokens every key lies inside the exact window: there the model computes exact "
+            "softmax attention, and the random features serve only keys further back."
+        )
+    return intro
+
+
 def render_model_card(
     config: RFAConfig,
     model_class: str,
@@ -181,29 +209,7 @@ def render_model_card(
     tags = list(tags)
     title = f"{base_model} with random feature attention" if base_model else f"{model_class} with random feature attention"
     origin = f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model else f"a `{model_class}`"
-    hybrid = []
-    if config.window:
-        hybrid.append(f"exact softmax over a local window of {config.window} tokens")
-    if config.sinks:
-        hybrid.append(f"the first {config.sinks} tokens attended exactly (attention sinks)")
-    if config.any_memory:
-        chosen = {"feature_error": "the keys whose value the feature state recalls worst", "query_mass": "the keys their window's queries attended to most"}.get(config.memory_score, "the keys with the largest value norm")
-        size = f"at most {config.memory}" if config.memory_per_layer is None else f"per-layer sizes of {min(config.memory_per_layer)}–{max(config.memory_per_layer)}"
-        hybrid.append(f"an exact memory of {size} older keys per key-value head ({chosen}, re-chosen every {config.memory_every} tokens)")
-    hybrid_text = (" combined with " + " and ".join(hybrid)) if hybrid else ""
-    size = f" ({num_parameters / 1e6:.1f}M parameters)" if num_parameters else ""
-    intro = (
-        f"This checkpoint is {origin}{size} whose softmax self-attention was replaced by **random feature "
-        f"attention** with hf_rfa {__version__}: feature map "
-        f"`{config.feature_map}` with {config.num_features} features per head{hybrid_text}. Attention "
-        "costs linear time and memory in the sequence length. The random projections and any learned "
-        "feature-map parameters are stored in the weights (`*.rfa.feature_map.*`), so outputs are reproducible."
-    )
-    if config.window:
-        intro += (
-            f" Up to {config.window} tokens every key lies inside the exact window: there the model computes exact "
-            "softmax attention, and the random features serve only keys further back."
-        )
+    intro = _intro(config, origin, num_parameters, __version__)
     body = f"""
 # {title}
 
