@@ -47,7 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 import hf_rfa
 from hf_rfa.ops.backends import native
 
-B, H, D = 1, 12, 64
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speed_report import B, D, H, evaluate_targets, plot, write_tables  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -248,196 +250,61 @@ def bench_group(dtype_name: str, m: int, causal: bool, backward: bool, ns: list[
     return rows
 
 
-def fmt_ms(x):
-    return "—" if x is None else (f"{x * 1e3:.1f}" if x < 10 else f"{x * 1e3:.0f}")
+def _environment(args, argv, threads: int) -> dict:
+    """The run's command, device, CPU name (``/proc/cpuinfo``), torch, threads, load and settings."""
+    env = {
+        "command": "python benchmarks/speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": args.device,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "chunk_size": args.chunk_size,
+        "compile": args.compile,
+        "checkpoint_blocks": args.checkpoint_blocks,
+        "native_kernel": args.native,
+    }
+    try:
+        with open("/proc/cpuinfo") as fh:
+            env["cpu"] = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return env
 
 
-def fmt_mb(b):
-    return "—" if b is None else f"{b / 2**20:.0f}"
-
-
-def write_tables(res: dict, out: Path) -> str:
-    lines = ["# hf_rfa vs SDPA: speed and memory", ""]
-    env = res["env"]
-    lines += [
-        f"Command: `{env['command']}`  ",
-        f"Device: {env['device']} ({env['cpu']}), torch {env['torch']}, threads {env['threads']}, "
-        f"compiled kernels {'on' if env.get('compile') else 'off'}, "
-        f"native CPU kernel {'used for causal inference' if env.get('native_kernel') else 'off'}, "
-        f"checkpointed blocks {'on' if env.get('checkpoint_blocks') else 'off'}, "
-        f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end', '?')}.  ",
-        f"B={B}, H={H}, d={D}, favor+ (m features), chunk_size={env['chunk_size']}. Times are medians of "
-        "interleaved repetitions (ms); speed-up = SDPA time / hf_rfa time.",
-        "",
-        "## Matmul throughput of this machine (same run)",
-        "",
-        "| dtype | GFLOP/s |",
-        "|---|---|",
-    ]
-    for k, v in res["matmul_gflops"].items():
-        lines.append(f"| {k} | {v:.0f} |")
-    lines.append("")
-    groups: dict = {}
-    for r in res["timings"]:
-        groups.setdefault((r["dtype"], r["causal"], r["backward"]), []).append(r)
-    for (dt, causal, bwd), rows in groups.items():
-        ms = sorted({r["m"] for r in rows})
-        ns = sorted({r["n"] for r in rows})
-        lines += [f"## {dt}, {'causal' if causal else 'bidirectional'}, {'forward+backward' if bwd else 'forward'}", ""]
-        head = "| N | SDPA ms | " + " | ".join(f"rfa m={m} ms | speed-up m={m}" for m in ms)
-        if causal and not bwd:
-            head += " | " + " | ".join(f"rfa m={m} GFLOP/s (% of fp32 mm)" for m in ms)
-        lines += [head + " |", "|" + "---|" * head.count("|")]
-        for n in ns:
-            by_m = {r["m"]: r for r in rows if r["n"] == n}
-            any_r = next(iter(by_m.values()))
-            sd = any_r["sdpa_s"]
-            cells = [str(n), fmt_ms(sd) if sd is not None else (any_r["sdpa_note"] or "—")]
-            for m in ms:
-                r = by_m.get(m)
-                cells.append(fmt_ms(r["rfa_s"]) if r else "—")
-                cells.append(f"{sd / r['rfa_s']:.2f}×" if r and sd is not None else "—")
-            if causal and not bwd:
-                peak = res["matmul_gflops"]["fp32"]
-                for m in ms:
-                    r = by_m.get(m)
-                    cells.append(f"{r['rfa_gflops']:.0f} ({100 * r['rfa_gflops'] / peak:.0f}%)" if r else "—")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    if res.get("memory"):
-        lines += [
-            "## Peak extra memory (MiB)",
-            "",
-            f"Method: {res['memory_method']}",
-            "",
-            "| dtype | mode | pass | N | m | hf_rfa MiB | SDPA MiB |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in res["memory"]:
-            cell = lambda x: fmt_mb(x.get("extra_bytes")) if "extra_bytes" in x else x.get("error", "—")  # noqa: E731
-            lines.append(
-                f"| {r['dtype']} | {'causal' if r['causal'] else 'bidir'} | {'fwd+bwd' if r['backward'] else 'fwd'} | {r['n']} | {r['m']} | {cell(r['rfa'])} | {cell(r['sdpa'])} |"
-            )
-        lines.append("")
-    lines += ["## Targets (fp32, causal, favor+, m=256)", ""]
-    for t in res.get("targets", []):
-        lines.append(f"- {t}")
-    lines.append("")
-    text = "\n".join(lines)
-    (out / "speed_tables.md").write_text(text)
-    return text
-
-
-def evaluate_targets(res: dict) -> list[str]:
-    out = []
-    rows = {(r["dtype"], r["m"], r["causal"], r["backward"], r["n"]): r for r in res["timings"]}
-
-    def speedup(bwd, n):
-        r = rows.get(("fp32", 256, True, bwd, n))
-        return None if r is None or r["sdpa_s"] is None else r["sdpa_s"] / r["rfa_s"]
-
-    for bwd, goal in ((False, 5.0), (True, 3.0)):
-        s = speedup(bwd, 16384)
-        label = "forward+backward" if bwd else "forward"
-        out.append(f"N=16384 {label} ≥ {goal:.0f}× SDPA: " + ("not measured" if s is None else f"{s:.2f}× — {'MET' if s >= goal else 'NOT met'}"))
-    ns = sorted(n for (dt, m, c, bwd, n) in rows if (dt, m, c, bwd) == ("fp32", 256, True, False))
-    cross = None
-    for n in ns:
-        s = speedup(False, n)
-        if s is not None and s >= 1.0:
-            cross = n
-            break
-    out.append("crossover (forward, first N where hf_rfa ≤ SDPA time) ≤ 2048: " + ("not reached" if cross is None else f"N={cross} — {'MET' if cross <= 2048 else 'NOT met'}"))
-    mem = [r for r in res.get("memory", []) if (r["dtype"], r["m"], r["causal"], r["backward"], r["n"]) == ("fp32", 256, True, False, 65536)]
-    if mem and "extra_bytes" in mem[0]["rfa"]:
-        gb = mem[0]["rfa"]["extra_bytes"] / 2**30
-        out.append(f"N=65536 forward extra memory < 2 GiB: {gb:.2f} GiB — {'MET' if gb < 2 else 'NOT met'}")
-    else:
-        out.append("N=65536 forward extra memory < 2 GiB: not measured")
-    best = max((r["rfa_gflops"] for k, r in rows.items() if k[:4] == ("fp32", 256, True, False) and "rfa_gflops" in r), default=None)
-    peak = res["matmul_gflops"]["fp32"]
-    out.append(
-        "≥ 50% of measured fp32 matmul throughput (causal forward): "
-        + ("not measured" if best is None else f"best {best:.0f} GFLOP/s = {100 * best / peak:.0f}% of {peak:.0f} — {'MET' if best >= 0.5 * peak else 'NOT met'}")
+def _memory_table(args, timings: list[dict], ms: list[int], threads: int, log) -> tuple[list[dict], str]:
+    """The peak extra memory of each ``--mem-n`` case (hf_rfa and SDPA, SDPA where it was timed),
+    one fresh subprocess per call → ``(rows, how it was measured)``."""
+    mem_ns = [int(x) for x in args.mem_n.split(",") if x]
+    rows = []
+    method = (
+        "CUDA: torch.cuda.max_memory_allocated() − memory_allocated() before the call."
+        if args.device.startswith("cuda")
+        else "one call per fresh subprocess; peak resident set size during the call (Linux VmHWM, reset just before the call "
+        "via /proc/self/clear_refs) − resident set size just before it, with inputs allocated and kernels warmed up on N=64. "
+        "Includes the output (and q/k/v gradients for fwd+bwd)."
     )
-    return out
+    timed = {(r["dtype"], r["causal"], r["backward"], r["n"]): r for r in timings if r["m"] == max(ms)}
+    for dt in args.dtypes.split(","):
+        for mode in args.modes.split(","):
+            for ps in args.passes.split(","):
+                for n in mem_ns:
+                    causal, bwd = mode == "causal", ps == "fwdbwd"
+                    row = {"dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n}
+                    for impl in ("rfa", "sdpa"):
+                        t = timed.get((dt, causal, bwd, n))
+                        if impl == "sdpa" and (t is None or t["sdpa_s"] is None):
+                            row[impl] = {"error": "skipped (timing skipped)" if t is not None else "not timed"}
+                            continue
+                        spec = {"impl": impl, "dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n,
+                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile, "checkpoint_blocks": args.checkpoint_blocks, "no_native": args.no_native}
+                        row[impl] = measure_memory(spec, args.mem_timeout_s)
+                    log(f"memory {row}")
+                    rows.append(row)
+    return rows, method
 
 
-def plot(res: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
-    groups: dict = {}
-    for r in res["timings"]:
-        groups.setdefault((r["dtype"], r["causal"], r["backward"]), []).append(r)
-    fig, axes = plt.subplots(2, 4, figsize=(20, 9), squeeze=False)
-    for ax, ((dt, causal, bwd), rows) in zip(axes.flat, sorted(groups.items(), key=lambda kv: (kv[0][0] != "fp32", not kv[0][1], kv[0][2]))):
-        for m in sorted({r["m"] for r in rows}):
-            rr = sorted((r for r in rows if r["m"] == m), key=lambda r: r["n"])
-            ax.plot([r["n"] for r in rr], [r["rfa_s"] for r in rr], "o-", label=f"hf_rfa favor+ m={m}")
-        rr = sorted((r for r in rows if r["m"] == max(r2["m"] for r2 in rows) and r["sdpa_s"] is not None), key=lambda r: r["n"])
-        ax.plot([r["n"] for r in rr], [r["sdpa_s"] for r in rr], "s--k", label="SDPA")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N")
-        ax.set_ylabel("seconds (median)")
-        ax.set_title(f"{dt} {'causal' if causal else 'bidir'} {'fwd+bwd' if bwd else 'fwd'}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = out / "speed_time.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    files.append(p.name)
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for (dt, causal, bwd), rows in sorted(groups.items()):
-        rr = sorted((r for r in rows if r["m"] == 256 and r["sdpa_s"] is not None), key=lambda r: r["n"])
-        if rr:
-            ax.plot([r["n"] for r in rr], [r["sdpa_s"] / r["rfa_s"] for r in rr], "o-", label=f"{dt} {'causal' if causal else 'bidir'} {'fwd+bwd' if bwd else 'fwd'}")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("N")
-    ax.set_ylabel("speed-up over SDPA (m=256)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = out / "speed_speedup.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    files.append(p.name)
-
-    if res.get("memory"):
-        fig, ax = plt.subplots(figsize=(8, 5))
-        keys = sorted({(r["dtype"], r["causal"], r["backward"]) for r in res["memory"]})
-        for dt, causal, bwd in keys:
-            rr = sorted((r for r in res["memory"] if (r["dtype"], r["causal"], r["backward"]) == (dt, causal, bwd)), key=lambda r: r["n"])
-            lab = f"{dt} {'causal' if causal else 'bidir'} {'fwd+bwd' if bwd else 'fwd'}"
-            pts = [(r["n"], r["rfa"]["extra_bytes"] / 2**20) for r in rr if "extra_bytes" in r["rfa"]]
-            if pts:
-                ax.plot(*zip(*pts), "o-", label="hf_rfa " + lab)
-            pts = [(r["n"], r["sdpa"]["extra_bytes"] / 2**20) for r in rr if "extra_bytes" in r["sdpa"]]
-            if pts:
-                ax.plot(*zip(*pts), "s--", label="SDPA " + lab)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N")
-        ax.set_ylabel("peak extra memory (MiB)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / "speed_memory.png"
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
-        files.append(p.name)
-    return files
-
-
-def main(argv=None) -> None:
+def _args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-n", type=int, default=65536)
@@ -460,7 +327,11 @@ def main(argv=None) -> None:
     ap.add_argument("--no-native", action="store_true", help="bypass the compiled CPU kernel (hf_rfa.ops.backends.native): the PyTorch path")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
 
     if args.memory_worker is not None:
         print(json.dumps(memory_worker(json.loads(args.memory_worker))))
@@ -484,26 +355,11 @@ def main(argv=None) -> None:
         sys.stderr.write(f"[{time.time() - t_start:7.1f}s] {msg}\n")
         sys.stderr.flush()
 
-    env = {
-        "command": "python benchmarks/speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": args.device,
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": threads,
-        "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "chunk_size": args.chunk_size,
-        "compile": args.compile,
-        "checkpoint_blocks": args.checkpoint_blocks,
-        "native_kernel": args.native,
-    }
-    try:
-        with open("/proc/cpuinfo") as fh:
-            env["cpu"] = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    env = _environment(args, argv, threads)
     res: dict = {"env": env}
     mm_size = 2048 if args.quick else 4096
-    res["matmul_gflops"] = {k: matmul_throughput(dt, args.device, mm_size, 5) / 1e9 for k, dt in DTYPES.items()}
+    mm_dtypes = {k: dt for k, dt in DTYPES.items() if k == "fp32" or k in args.dtypes.split(",")}  # (bf16's is minutes where it is emulated)
+    res["matmul_gflops"] = {k: matmul_throughput(dt, args.device, mm_size, 5) / 1e9 for k, dt in mm_dtypes.items()}
     log(f"matmul GFLOP/s: {res['matmul_gflops']}")
 
     ms = [int(x) for x in args.ms.split(",")]
@@ -515,37 +371,12 @@ def main(argv=None) -> None:
                 for m in sorted(ms, reverse=True):
                     res["timings"] += bench_group(dt, m, mode == "causal", ps == "fwdbwd", ns, args, sdpa_cache, log)
     # matmul throughput again at the end (load may have changed); report the max of both
-    end_mm = {k: matmul_throughput(dt, args.device, mm_size, 5) / 1e9 for k, dt in DTYPES.items()}
+    end_mm = {k: matmul_throughput(dt, args.device, mm_size, 5) / 1e9 for k, dt in mm_dtypes.items()}
     res["matmul_gflops_start"] = dict(res["matmul_gflops"])
     res["matmul_gflops_end"] = end_mm
     res["matmul_gflops"] = {k: max(v, end_mm[k]) for k, v in res["matmul_gflops"].items()}
 
-    mem_ns = [int(x) for x in args.mem_n.split(",") if x]
-    res["memory"] = []
-    res["memory_method"] = (
-        "CUDA: torch.cuda.max_memory_allocated() − memory_allocated() before the call."
-        if args.device.startswith("cuda")
-        else "one call per fresh subprocess; peak resident set size during the call (Linux VmHWM, reset just before the call "
-        "via /proc/self/clear_refs) − resident set size just before it, with inputs allocated and kernels warmed up on N=64. "
-        "Includes the output (and q/k/v gradients for fwd+bwd)."
-    )
-    timed = {(r["dtype"], r["causal"], r["backward"], r["n"]): r for r in res["timings"] if r["m"] == max(ms)}
-    for dt in args.dtypes.split(","):
-        for mode in args.modes.split(","):
-            for ps in args.passes.split(","):
-                for n in mem_ns:
-                    causal, bwd = mode == "causal", ps == "fwdbwd"
-                    row = {"dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n}
-                    for impl in ("rfa", "sdpa"):
-                        t = timed.get((dt, causal, bwd, n))
-                        if impl == "sdpa" and (t is None or t["sdpa_s"] is None):
-                            row[impl] = {"error": "skipped (timing skipped)" if t is not None else "not timed"}
-                            continue
-                        spec = {"impl": impl, "dtype": dt, "m": max(ms), "causal": causal, "backward": bwd, "n": n,
-                                "device": args.device, "threads": threads, "chunk_size": args.chunk_size, "compile": args.compile, "checkpoint_blocks": args.checkpoint_blocks, "no_native": args.no_native}
-                        row[impl] = measure_memory(spec, args.mem_timeout_s)
-                    log(f"memory {row}")
-                    res["memory"].append(row)
+    res["memory"], res["memory_method"] = _memory_table(args, res["timings"], ms, threads, log)
     env["loadavg_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     env["wall_s"] = time.time() - t_start
     res["targets"] = evaluate_targets(res)

@@ -34,7 +34,7 @@ logger = logging.getLogger("fsdp_cpu_check")
 PER_RANK = 2
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--model_name_or_path", required=True)
@@ -46,7 +46,11 @@ def main() -> None:
     p.add_argument("--chunked_loss", action="store_true", help="the sharded model trains with the chunked training loss")
     p.add_argument("--chunk_positions", type=int, default=5, help="with --chunked_loss: positions of logits per chunk")
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = _args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
