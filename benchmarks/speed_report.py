@@ -131,6 +131,24 @@ def evaluate_targets(res: dict) -> list[str]:
     return out
 
 
+def _log_axes(ax, ylabel: str, legend_size: int) -> None:
+    """Log–log axes over N with a grid and a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(plt, fig, path: Path) -> str:
+    """Write ``fig`` to ``path`` and close it; returns the file's name."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path.name
+
+
 def plot(res: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -148,18 +166,9 @@ def plot(res: dict, out: Path) -> list[str]:
             ax.plot([r["n"] for r in rr], [r["rfa_s"] for r in rr], "o-", label=f"hf_rfa favor+ m={m}")
         rr = sorted((r for r in rows if r["m"] == max(r2["m"] for r2 in rows) and r["sdpa_s"] is not None), key=lambda r: r["n"])
         ax.plot([r["n"] for r in rr], [r["sdpa_s"] for r in rr], "s--k", label="SDPA")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N")
-        ax.set_ylabel("seconds (median)")
         ax.set_title(f"{dt} {'causal' if causal else 'bidir'} {'fwd+bwd' if bwd else 'fwd'}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = out / "speed_time.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    files.append(p.name)
+        _log_axes(ax, "seconds (median)", 8)
+    files.append(_save(plt, fig, out / "speed_time.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for (dt, causal, bwd), rows in sorted(groups.items()):
@@ -167,17 +176,8 @@ def plot(res: dict, out: Path) -> list[str]:
         if rr:
             ax.plot([r["n"] for r in rr], [r["sdpa_s"] / r["rfa_s"] for r in rr], "o-", label=f"{dt} {'causal' if causal else 'bidir'} {'fwd+bwd' if bwd else 'fwd'}")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("N")
-    ax.set_ylabel("speed-up over SDPA (m=256)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = out / "speed_speedup.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    files.append(p.name)
+    _log_axes(ax, "speed-up over SDPA (m=256)", 8)
+    files.append(_save(plt, fig, out / "speed_speedup.png"))
 
     if res.get("memory"):
         fig, ax = plt.subplots(figsize=(8, 5))
@@ -191,17 +191,8 @@ def plot(res: dict, out: Path) -> list[str]:
             pts = [(r["n"], r["sdpa"]["extra_bytes"] / 2**20) for r in rr if "extra_bytes" in r["sdpa"]]
             if pts:
                 ax.plot(*zip(*pts), "s--", label="SDPA " + lab)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N")
-        ax.set_ylabel("peak extra memory (MiB)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / "speed_memory.png"
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
-        files.append(p.name)
+        _log_axes(ax, "peak extra memory (MiB)", 7)
+        files.append(_save(plt, fig, out / "speed_memory.png"))
     return files
 
 
