@@ -61,6 +61,13 @@ def test_numeric_flags_are_checked(field, value):
         ConversionConfig(model="m", **{field: value})
 
 
+@pytest.mark.parametrize("value", [0, -4])
+def test_a_context_below_one_is_named_before_the_query_blocks_that_depend_on_it(value):
+    # the recall preset's transfer query blocks are checked against the context: a bad context is named first
+    with pytest.raises(ValueError, match=rf"^context must be an int >= 1, got {value}$"):
+        ConversionConfig(model="m", context=value, transfer_query_blocks=4, transfer_queries=256)
+
+
 def test_output_naming_a_file_is_refused_before_loading(tmp_path):
     script = _script("convert")
 

@@ -100,6 +100,8 @@ class ConversionConfig:
             raise ValueError(f"lora_objective must be one of {list(OBJECTIVES)}, got {self.lora_objective!r}")
         if self.transfer_schedule not in SCHEDULES:
             raise ValueError(f"transfer_schedule must be one of {sorted(SCHEDULES)}, got {self.transfer_schedule!r}")
+        for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "encoder_max_length", "random_num_features", "copy_draws", "passkey_trials"):
+            _check_int(name, getattr(self, name), 1)
         _check_int("transfer_query_blocks", self.transfer_query_blocks, 1)
         if self.transfer_query_blocks > 1:
             if self.transfer_queries is None or self.transfer_query_blocks * self.transfer_queries > self.context:
@@ -111,8 +113,6 @@ class ConversionConfig:
                 from .transfer import check_query_blocks_reach
 
                 check_query_blocks_reach(self.context, self.transfer_query_blocks, self.transfer_queries, self.rfa.window, self.rfa.sinks)
-        for name in ("context", "batch_size", "lora_r", "error_tokens", "eval_sentences", "encoder_max_length", "random_num_features", "copy_draws", "passkey_trials"):
-            _check_int(name, getattr(self, name), 1)
         for name in ("transfer_tokens", "lora_tokens", "generate_tokens", "eval_twin_max", "memory_after_training", "encoder_pack_tokens"):
             _check_int(name, getattr(self, name), 0)
         if not self.eval_contexts or any(not isinstance(c, int) or c < 2 for c in self.eval_contexts):
