@@ -13,12 +13,13 @@ Wikipedia's training split by default; the passkey's filler is the evaluation sp
 (``--out``, a ``.pt`` file) and prints, on one more window, how much of the true top ``--top``
 share of keys the probe's top share holds, against ‖v‖ and a random choice.
 
-``needle``: runs :mod:`needle_memory` (its arguments after ``--``) with the memory's candidates
-scored by the probe instead of ``memory_score`` (scores fixed at entry, as the op's are).
+``run``: runs another script of this folder (``needle_memory.py``, ``recall.py``; its arguments
+after ``--``) with the memory's candidates scored by the probe instead of ``memory_score`` (scores
+fixed at entry, as the op's are).
 
-    NT=2 python research/long_range_recall/learned_selection.py fit --model out/smollm2-135m-rfa
-    NT=2 python research/long_range_recall/learned_selection.py needle --probe probe.pt -- \\
-        --model out/smollm2-135m-rfa --lengths 4096 --trials 4 --label learned_probe
+    NT=2 python research/long_range_recall/learned_selection.py fit --model out/smollm2-135m-rfa --out probe.pt
+    NT=2 python research/long_range_recall/learned_selection.py run --probe probe.pt needle_memory.py -- \\
+        --model out/smollm2-135m-rfa --lengths 4096 --trials 4 --rfa memory_score=value_norm --label learned_probe
 """
 
 from __future__ import annotations
@@ -212,8 +213,10 @@ def top_tokens(tok, ids: list[int], score: torch.Tensor, top: float, shown: int 
     return ", ".join(f"{w!r} {n}" for w, n in words.most_common(shown)) + f"; digits {digits:.1%}"
 
 
-def install_probe(probe_file: Path) -> None:
-    """Score the memory's candidates by the probe in every later load of a model (``needle``)."""
+def install_probe(probe_file: Path, keep_layers: tuple[int, ...] = (), mix: float = 0.0) -> None:
+    """Score the memory's candidates by the probe in every later load of a model (``run``), except
+    in ``keep_layers``, which keep the model's own ``memory_score``; with ``mix > 0`` the score is
+    the model's own plus ``mix`` × the probe's (both log2)."""
     import hf_rfa.recipes.conversion.loading as loading
     from hf_rfa.ops.memory import periods, sequential, terms
     from hf_rfa.ops.memory.scores import SCORE_BITS
@@ -228,6 +231,8 @@ def install_probe(probe_file: Path) -> None:
         return c
 
     def spy_select(mem, cand, memory):
+        if current["layer"] in keep_layers:
+            return choose(mem, cand, memory)
         c = current["call"]
         local = (cand["pos"] - c.pos0).clamp(0, c.lv_raw.shape[2] - 1)
         kf = c.lkf_raw if c.lkf_raw is not None else c.lk_raw
@@ -235,6 +240,8 @@ def install_probe(probe_file: Path) -> None:
         gv = torch.gather(c.lv_raw, 2, local.unsqueeze(-1).expand(*local.shape, c.lv_raw.shape[-1]))
         w = probes[current["layer"]].double()  # [Hkv, F]
         s = (key_features(gk, gv) @ w.view(1, w.shape[0], -1, 1)).squeeze(-1) / math.log(2)
+        if mix > 0:
+            s = cand["norm"].double() + mix * s
         cand = {**cand, "norm": (torch.round(s * 2**SCORE_BITS) / 2**SCORE_BITS).to(cand["norm"].dtype)}
         return choose(mem, cand, memory)
 
@@ -262,8 +269,11 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--top", type=float, default=0.06, help="the share of keys the overlap compares (256 of 4k ≈ 6 %%)")
     f.add_argument("--out", type=Path, default=Path("probe.pt"))
     f.add_argument("--token-layers", type=int, nargs="*", default=[3, 18, 23], help="print the most frequent tokens of these layers' top keys (probe and true)")
-    n = sub.add_parser("needle", help="needle_memory.py with the memory scored by the probe (its arguments after --)")
+    n = sub.add_parser("run", help="another script of this folder with the memory scored by the probe (its arguments after --)")
     n.add_argument("--probe", type=Path, required=True)
+    n.add_argument("script", choices=["needle_memory.py", "recall.py"])
+    n.add_argument("--mix", type=float, default=0.0, help="score = the model's own memory_score + MIX × the probe's (0: the probe's alone)")
+    n.add_argument("--keep-layers", default="", help="comma-separated layers that keep the model's own memory_score (e.g. the copy layers: 17,18,20)")
     n.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -271,12 +281,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.command == "fit":
         run_fit(a)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    import needle_memory
+    import runpy
 
-    install_probe(a.probe)
-    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-    needle_memory.main(rest)
+    install_probe(a.probe, tuple(int(x) for x in a.keep_layers.split(",") if x.strip()), a.mix)
+    script = Path(__file__).with_name(a.script)
+    sys.argv = [str(script)] + (a.rest[1:] if a.rest[:1] == ["--"] else a.rest)
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
 
 
 if __name__ == "__main__":
