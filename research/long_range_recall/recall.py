@@ -44,7 +44,7 @@ p.add_argument("--per-layer-key", default="proportional_memory", help="the colum
 p.add_argument("--variants", default="default,per_layer,query_mass,query_mass+per_layer")
 p.add_argument("--memory", type=int, default=256)
 p.add_argument("--draws", type=int, default=4)
-p.add_argument("--gaps", default="512,3584")
+p.add_argument("--gaps", default="512,3584", help="copy gaps ('': no copy)")
 p.add_argument("--trials", type=int, default=3)
 p.add_argument("--lengths", default="1024,2048,4096", help="passkey lengths ('': no passkey)")
 p.add_argument("--ppl-context", type=int, default=4096)
@@ -101,7 +101,7 @@ for name in a.variants.split(","):
         row[f"ppl@{a.ppl_context}"] = {k: ppl[k] for k in ("perplexity", "ci95", "window_nll", "window_tokens")}
         ref_ppl = ref_ppl or ppl
         row[f"ppl@{a.ppl_context}"]["ratio_to_reference"] = {"ratio": ppl["perplexity"] / ref_ppl["perplexity"], "ci95": intervals.paired_ratio_ci(ppl, ref_ppl)}
-        for gap in (int(g) for g in a.gaps.split(",")):
+        for gap in (int(g) for g in a.gaps.split(",") if g.strip()):
             r = long_range.copy_task(model, ids, gap=gap, draws=a.draws, seed=0, progress=False)
             row[f"copy{gap}"] = {k: r[k] for k in ("second", "second_ci95", "first", "per_draw")}
         if a.lengths:
