@@ -67,7 +67,9 @@ def far_max_attention(q: torch.Tensor, k: torch.Tensor, scale: float, window: in
 
 class Collector:
     """Pre-hooks on every ``self_attn`` that turn one forward into per-(layer, kv head) probe
-    inputs and targets for the keys ``[first, last)``."""
+    inputs and targets for the keys ``[first, last)``. The forward is the converted model's own
+    (not :func:`hf_rfa.recipes.conversion.calibration.capture`, which runs softmax in every
+    layer): the probe reads the keys and values that the memory sees."""
 
     def __init__(self, model, window: int, span: tuple[int, int]):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -130,33 +132,18 @@ def windows_of(tok, text_spec: str, length: int, count: int) -> list[torch.Tenso
 
 def published_scores(model, ids: torch.Tensor, span: tuple[int, int]) -> dict[int, torch.Tensor]:
     """Each layer's candidate scores as the model's own ``memory_score`` gave them in one prefill
-    of ``ids``, for the keys ``[first, last)`` → ``{layer: [Hkv, last − first]}`` (−inf where a key
-    was never a candidate)."""
-    from hf_rfa.ops.memory import periods, sequential, terms
+    of ``ids`` (:func:`needle_memory.candidate_scores`), for the keys ``[first, last)`` →
+    ``{layer: [Hkv, last − first]}`` (−inf where a key was never a candidate)."""
+    from needle_memory import candidate_scores
 
-    current = {"layer": -1}
-    out: dict[int, torch.Tensor] = {}
-    choose = terms.select_memory
     a, b = span
-
-    def spy(mem, cand, memory):
-        pos, sc, ok = cand["pos"][0], cand["norm"][0].double(), cand["ok"][0]
-        hkv = pos.shape[0]
-        row = out.setdefault(current["layer"], torch.full((hkv, b - a), float("-inf"), dtype=torch.float64))
-        keep = ok & (pos >= a) & (pos < b)
-        for h in range(hkv):
-            row[h, pos[h][keep[h]] - a] = sc[h][keep[h]]
-        return choose(mem, cand, memory)
-
-    hooks = [layer.register_forward_pre_hook(lambda m, x, i=i: current.__setitem__("layer", i)) for i, layer in enumerate(model.model.layers)]
-    sequential.select_memory = periods.select_memory = spy
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    finally:
-        sequential.select_memory = periods.select_memory = choose
-        for h in hooks:
-            h.remove()
+    out: dict[int, torch.Tensor] = {}
+    for li, seen in candidate_scores(model, ids).items():
+        row = out[li] = torch.full((seen[0][0].shape[0], b - a), float("-inf"), dtype=torch.float64)
+        for pos, sc, ok in seen:
+            keep = ok & (pos >= a) & (pos < b)
+            for h in range(pos.shape[0]):
+                row[h, pos[h][keep[h]] - a] = sc[h][keep[h]].double()
     return out
 
 
@@ -235,9 +222,8 @@ def install_probe(probe_file: Path, keep_layers: tuple[int, ...] = (), mix: floa
             return choose(mem, cand, memory)
         c = current["call"]
         local = (cand["pos"] - c.pos0).clamp(0, c.lv_raw.shape[2] - 1)
-        kf = c.lkf_raw if c.lkf_raw is not None else c.lk_raw
-        gk = torch.gather(kf, 2, local.unsqueeze(-1).expand(*local.shape, kf.shape[-1]))
-        gv = torch.gather(c.lv_raw, 2, local.unsqueeze(-1).expand(*local.shape, c.lv_raw.shape[-1]))
+        gk = terms.gather_slots(c.lkf_raw if c.lkf_raw is not None else c.lk_raw, local)
+        gv = terms.gather_slots(c.lv_raw, local)
         w = probes[current["layer"]].double()  # [Hkv, F]
         s = (key_features(gk, gv) @ w.view(1, w.shape[0], -1, 1)).squeeze(-1) / math.log(2)
         if mix > 0:

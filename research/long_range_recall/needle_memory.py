@@ -179,20 +179,19 @@ def by_layer(rows: list[dict]) -> list[dict]:
 BANDS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192), (8192, 16384))
 
 
-def score_drift(model, ids: torch.Tensor) -> list[dict]:
-    """Prefill ``ids [1, N]`` (no cache) and return, per layer with an exact memory, the mean score
-    of the candidate keys (their ``memory_score`` as the memory compares it, log2) in each position
-    band of :data:`BANDS` that holds keys, and the scores' standard deviation over all bands. The scores are read where the memory chooses
-    (``select_memory`` of both forms, wrapped for the call); the layer from a pre-hook on each decoder layer."""
+def candidate_scores(model, ids: torch.Tensor) -> dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Prefill ``ids [1, N]`` (no cache) and return, per layer with an exact memory, every choice's
+    candidates as ``(pos, score, ok)`` ``[Hkv, K]`` (row 0): their ``memory_score`` as the memory
+    compares it (log2), read where the memory chooses (``select_memory`` of both forms, wrapped
+    for the call); the layer from a pre-hook on each decoder layer."""
     from hf_rfa.ops.memory import periods, sequential, terms
 
     current = {"layer": -1}
-    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     choose = terms.select_memory
 
     def spy(mem, cand, memory):
-        pos, ok = cand["pos"][0], cand["ok"][0]
-        seen.setdefault(current["layer"], []).append((pos[ok].float(), cand["norm"][0][ok].float()))
+        seen.setdefault(current["layer"], []).append((cand["pos"][0], cand["norm"][0], cand["ok"][0]))
         return choose(mem, cand, memory)
 
     def enter(i):
@@ -202,15 +201,22 @@ def score_drift(model, ids: torch.Tensor) -> list[dict]:
     sequential.select_memory = periods.select_memory = spy
     try:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
         sequential.select_memory = periods.select_memory = choose
         for h in hooks:
             h.remove()
+    return seen
+
+
+def score_drift(model, ids: torch.Tensor) -> list[dict]:
+    """Prefill ``ids [1, N]`` and return, per layer with an exact memory, the mean score of the
+    candidate keys (:func:`candidate_scores`) in each position band of :data:`BANDS` that holds
+    keys, and the scores' standard deviation over all bands."""
     out = []
-    for li in sorted(seen):
-        pos = torch.cat([p for p, _ in seen[li]])
-        sc = torch.cat([s for _, s in seen[li]])
+    for li, seen in sorted(candidate_scores(model, ids).items()):
+        pos = torch.cat([p[ok].float() for p, _, ok in seen])
+        sc = torch.cat([s[ok].float() for _, s, ok in seen])
         bands = {f"{lo}-{hi}": round(float(sc[(pos >= lo) & (pos < hi)].mean()), 3) for lo, hi in BANDS if bool(((pos >= lo) & (pos < hi)).any())}
         out.append({"layer": li, "keys": int(pos.numel()), "score_std": round(float(sc.std()), 3), "mean_score_by_position": bands})
     return out
